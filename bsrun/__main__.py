@@ -1,0 +1,3 @@
+from bsrun.cli import main
+
+main()

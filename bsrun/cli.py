@@ -1,0 +1,155 @@
+"""bsrun's command line: parse, validate, hand over to the packages. Nothing else here.
+
+`bsrun [OPTIONS] COMMAND...` launches; `bsrun profile|tune|bench ...` are subcommands.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from bsrun import __version__
+from bsrun.config import KNOBS, TUNED_FILE, job_signature, load_tuned, resolve
+from bsrun.errors import BsrunError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+LAUNCH_CONTEXT = {**CONTEXT, "allow_interspersed_args": False}
+
+
+class BsrunGroup(click.Group):
+    """A group whose default command is `run`: `bsrun -np 2 python x.py` = `bsrun run ...`."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=BsrunGroup, context_settings=CONTEXT)
+@click.version_option(__version__, prog_name="bsrun")
+def cli():
+    """Run data-parallel PyTorch training with scheduled gradient communication.
+
+    \b
+      bsrun -np 4 python train.py ...                  bsrun's own launcher
+      bsrun torchrun --nproc-per-node 4 train.py ...   prefix an existing launch
+      bsrun horovodrun -np 4 python train.py ...
+      bsrun COMMAND --help                             run, profile, tune, bench
+    """
+
+
+def launch_options(f):
+    """The options every launching command shares (run, profile, tune)."""
+    knob_help = {k.name: k.help for k in KNOBS}
+    options = [
+        click.option("-np", "--nproc", type=int, default=None, help="number of local workers (bsrun starts them)"),
+        click.option("--partition", default=None, help=knob_help["partition"]),
+        click.option("--credit", default=None, help=knob_help["credit"]),
+        click.option("--schedule/--no-schedule", "schedule", default=None, help=knob_help["enabled"]),
+        click.option("--timeout", default=None, help=knob_help["timeout"]),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+                     default=None, help="TOML file of knobs (partition = \"4MB\", ...)"),
+        click.option("--grace", type=float, default=10.0, show_default=True,
+                     help="seconds between SIGTERM and SIGKILL when stopping workers"),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace):
+    """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line."""
+    from bsrun.launch.plan import make_plan
+
+    if nproc is not None and nproc < 1:
+        raise BsrunError(f"-np must be at least 1, got {nproc}")
+    flags = {"partition": partition, "credit": credit, "timeout": timeout,
+             "enabled": None if schedule is None else str(schedule)}
+    signature = job_signature(list(command), nproc or 1)
+    tuned = load_tuned(signature)
+    config = resolve(flags, config_file, tuned=tuned)
+    plan = make_plan(list(command), nproc, config, grace=grace)
+    if any(s.startswith("tuned") for s in config.sources.values()):
+        fixed = ", ".join(f"{n}={getattr(config, n)}" for n, s in config.sources.items() if s.startswith("tuned"))
+        click.echo(f"bsrun: using tuned config {fixed} from {TUNED_FILE}", err=True)
+    return plan
+
+
+def print_dry_run(plan, as_json: bool) -> None:
+    specs = plan.worker_specs()
+    shown = [("BSRUN_", True), ("PYTHONPATH", False), ("OMP_NUM_THREADS", False), ("RANK", False),
+             ("LOCAL_RANK", False), ("WORLD_SIZE", False), ("LOCAL_WORLD_SIZE", False),
+             ("MASTER_ADDR", False), ("MASTER_PORT", False), ("GLOO_SOCKET_IFNAME", False)]
+
+    def visible(env):
+        return {k: v for k, v in sorted(env.items())
+                if any(k.startswith(p) if pre else k == p for p, pre in shown)
+                and plan.base_env.get(k) != v}
+
+    if as_json:
+        click.echo(json.dumps({"config": plan.config.as_dict(), "kind": plan.kind,
+                               "workers": [{"rank": s.rank, "argv": s.argv, "env": visible(s.env)}
+                                           for s in specs]}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="resolved config")
+    for col in ("knob", "value", "source"):
+        table.add_column(col)
+    for name, source in plan.config.sources.items():
+        value = plan.config.as_dict()[name]
+        if name == "credit":
+            value = f"{value} ({plan.config.credit_bytes} bytes)"
+        table.add_row(name, str(value), source)
+    console.print(table)
+    for spec in specs:
+        who = f"rank {spec.rank}" if plan.kind == "local" else "launcher"
+        console.print(f"[bold]{who}[/bold]: {shlex.join(spec.argv)}", highlight=False)
+        for k, v in visible(spec.env).items():
+            console.print(f"    {k}={v}", highlight=False, markup=False, soft_wrap=True)
+
+
+@cli.command("run", context_settings=LAUNCH_CONTEXT)
+@launch_options
+@click.option("--dry-run", is_flag=True, help="print the resolved config and the commands, start nothing")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (dry run and summary)")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_command(command, dry_run, as_json, **launch):
+    """Launch COMMAND with scheduling (the default command: `bsrun run` = `bsrun`)."""
+    plan = resolve_launch(command, **launch)
+    if dry_run:
+        print_dry_run(plan, as_json)
+        return 0
+    from bsrun.launch.agent import launch as run_plan
+
+    code = run_plan(plan)
+    if as_json:
+        from bsrun.launch.summary import LAST_RUN
+
+        click.echo(LAST_RUN.read_text())
+    return code
+
+
+def main(argv=None) -> None:
+    """Entry point: one clear line and exit code 2 for bad input, never a traceback."""
+    try:
+        code = cli.main(args=argv if argv is not None else sys.argv[1:], prog_name="bsrun",
+                        standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.exceptions.Abort:
+        code = 130
+    except click.ClickException as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
+        click.echo(f"bsrun: error: {e.format_message()}{hint}", err=True)
+        code = e.exit_code
+    except BsrunError as e:
+        click.echo(f"bsrun: error: {e}", err=True)
+        code = e.exit_code
+    sys.exit(code or 0)

@@ -1,0 +1,105 @@
+"""ScheduledDDP: DistributedDataParallel's interface, bsrun's gradient synchronisation.
+
+A subclass, so `isinstance(model, DistributedDataParallel)` still holds, that does not
+build DDP's reducer (so DDP never all-reduces as well). It keeps what scripts rely on:
+`.module` (and so the `module.` state_dict keys), `no_sync()`, the initial broadcast of
+parameters and buffers from rank 0, the buffer broadcast before each forward, averaging
+by world size. Where bsrun cannot be exactly right it builds the real DDP instead and
+says why once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel.distributed import DistributedDataParallel
+
+from bsrun.config import SchedConfig
+from bsrun.inject import runtime
+
+_SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
+_UNSUPPORTED_ARGS = ("device_ids", "output_device", "mixed_precision", "device_mesh",
+                     "delay_all_reduce_named_params", "param_to_hook_all_reduce")
+
+
+def fallback_reason(module: torch.nn.Module, args: dict) -> str | None:
+    """Why this DDP must stay plain DDP, or None when bsrun can schedule it exactly."""
+    if args["find_unused_parameters"]:
+        return "find_unused_parameters=True"
+    for name in _UNSUPPORTED_ARGS:
+        if args.get(name) is not None:
+            return f"DDP argument {name}"
+    group = args["process_group"] or dist.distributed_c10d._get_default_group()
+    if dist.get_backend(group) != "gloo":
+        return f"the {dist.get_backend(group)} backend (bsrun schedules gloo process groups)"
+    params = [p for p in module.parameters() if p.requires_grad]
+    if any(p.device.type != "cpu" for p in params):
+        return "parameters not on the CPU"
+    if any(getattr(m, "sparse", False) is True for m in module.modules()):
+        return "sparse gradients"
+    if not params:
+        return "no parameter requires a gradient"
+    return None
+
+
+class ScheduledDDP(DistributedDataParallel):
+    def __init__(self, *args, **kwargs):
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        module = a["module"]
+        reason = fallback_reason(module, a)
+        if reason is not None:
+            runtime.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
+            runtime.set_mode("fallback")
+            super().__init__(*args, **kwargs)
+            return
+        torch.nn.Module.__init__(self)
+        self.module = module
+        self.process_group = a["process_group"] or dist.distributed_c10d._get_default_group()
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.forward_sync_buffers = (a["forward_sync_buffers"] if a["forward_sync_buffers"] is not None
+                                     else a["broadcast_buffers"] if a["broadcast_buffers"] is not None
+                                     else True)
+        config = SchedConfig.from_env()
+        ranks = dist.get_process_group_ranks(self.process_group)
+        timeout = timedelta(seconds=config.timeout)
+        data_group, control_group = (dist.new_group(ranks, timeout=timeout, backend="gloo",
+                                                    use_local_synchronization=True) for _ in range(2))
+        self._bsrun = runtime.ModelRuntime(module, config, data_group, control_group)
+        self.modules_buffers = list(module.buffers())
+        if a["init_sync"]:
+            runtime.broadcast_from_rank0(list(module.parameters()) + self.modules_buffers, control_group)
+        runtime.set_mode("scheduled")
+
+    def forward(self, *inputs, **kwargs):
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
+            self.modules_buffers = list(self.module.buffers())
+            runtime.broadcast_from_rank0(self.modules_buffers, self._bsrun.control_group)
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._bsrun.sync_backward = sync
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state, hook):
+        raise RuntimeError("bsrun schedules this model's gradient communication itself, so DDP "
+                           "comm hooks cannot be registered; run with --no-schedule to use them")
+
+    def __getstate__(self):
+        raise RuntimeError("a bsrun-scheduled DDP model cannot be pickled; save model.module "
+                           "or its state_dict() instead")

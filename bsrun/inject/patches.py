@@ -1,0 +1,118 @@
+"""Install bsrun into torch: the few entry points through which scripts reach gradients.
+
+DDP's constructor builds a ScheduledDDP; every optimizer's `step()` goes to the runtime
+of the model that owns its parameters; and everything that reads parameters or
+gradients outside the scheduled path (state_dict, torch.save, gradient clipping,
+zero_grad, destroy_process_group, interpreter exit) first waits for the scheduled work.
+With scheduling off (BSRUN_ENABLE=0) nothing is patched: DDP stays exactly as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+
+import torch
+import torch.distributed as dist
+
+from bsrun.config import SchedConfig
+from bsrun.inject import runtime
+
+
+def _flushing(fn, note=None):
+    """Wrap fn so that scheduled work is finished before it runs."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if runtime.RUNTIMES:
+            if note:
+                runtime.say_once(note)
+            runtime.flush_all()
+        return fn(*args, **kwargs)
+    wrapper.__bsrun_original__ = fn
+    return wrapper
+
+
+def _scheduled_step(optimizer, closure=None):
+    """Instance-level step(): LR schedulers wrap it as they wrap any bound step."""
+    runtime.count_step()
+    rt = runtime.runtime_of(p for g in optimizer.param_groups for p in g["params"])
+    if rt is None:
+        return type(optimizer).step(optimizer, *([closure] if closure is not None else []))
+    return rt.optimizer_step(optimizer, closure)
+
+
+def _patch_optimizer() -> None:
+    Optimizer = torch.optim.Optimizer
+    original_init = Optimizer.__init__
+    original_zero_grad = Optimizer.zero_grad
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.step = _scheduled_step.__get__(self, type(self))
+
+    @functools.wraps(original_zero_grad)
+    def zero_grad(self, set_to_none: bool = True):
+        params = [p for g in self.param_groups for p in g["params"]]
+        rt = runtime.runtime_of(params)
+        if rt is None:
+            return original_zero_grad(self, set_to_none)
+        rt.zero_grad(params, set_to_none)
+
+    Optimizer.__init__ = __init__
+    Optimizer.zero_grad = zero_grad
+    Optimizer.state_dict = _flushing(Optimizer.state_dict)
+    Optimizer.load_state_dict = _flushing(Optimizer.load_state_dict)
+
+
+def _patch_module_zero_grad() -> None:
+    original = torch.nn.Module.zero_grad
+
+    @functools.wraps(original)
+    def zero_grad(self, set_to_none: bool = True):
+        rt = runtime.runtime_of(self.parameters()) if runtime.RUNTIMES else None
+        if rt is None:
+            return original(self, set_to_none)
+        rt.zero_grad(list(self.parameters()), set_to_none)
+
+    torch.nn.Module.zero_grad = zero_grad
+
+
+def _patch_flush_points() -> None:
+    torch.save = _flushing(torch.save)
+    clip = torch.nn.utils.clip_grad
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        wrapped = _flushing(getattr(clip, name),
+                            note=f"{name} needs all gradients at once: synchronising fully at those steps")
+        setattr(clip, name, wrapped)
+        setattr(torch.nn.utils, name, wrapped)
+    original_destroy = dist.destroy_process_group
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(*args, **kwargs):
+        runtime.flush_all()
+        runtime.close_all()
+        return original_destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+
+
+def _at_exit() -> None:
+    try:
+        if dist.is_initialized():
+            runtime.flush_all()
+    finally:
+        runtime.close_all()
+
+
+def install() -> None:
+    if not SchedConfig.from_env().enabled:
+        return
+    from bsrun.inject.ddp import ScheduledDDP
+
+    torch.nn.parallel.distributed.DistributedDataParallel = ScheduledDDP
+    torch.nn.parallel.DistributedDataParallel = ScheduledDDP
+    _patch_optimizer()
+    _patch_module_zero_grad()
+    _patch_flush_points()
+    atexit.register(_at_exit)

@@ -1,0 +1,302 @@
+"""The PyTorch side of scheduling one model: hooks, the dependency proxy, updates.
+
+Threads: the training thread runs the user's script, the grad hooks and every optimizer
+update; the scheduler's thread only moves gradient bytes. So the user's optimizer and
+parameters are never touched concurrently, and the only shared state is the small
+bookkeeping below, guarded by one condition variable.
+
+The life of a parameter in one round:
+  backward: its grad hook marks it ready -> its partitions go to the scheduler
+  comm thread: partitions all-reduced and averaged in place -> `done` counted
+  step(): updated now if its communication is done, else left pending
+  next forward: the pre-hook of each module that owns it waits for exactly its own
+  parameters, applies their pending update (and a deferred zero_grad), then the
+  module runs. That is ByteScheduler's dependency proxy.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from bsrun.inject import optim
+from bsrun.sched.core import Scheduler
+from bsrun.sched.partition import TensorInfo, plan_partitions
+from bsrun.sched.torch_backend import TorchDistBackend
+
+RUNTIMES: "weakref.WeakSet[ModelRuntime]" = weakref.WeakSet()
+_NOTES: list[str] = []
+_COUNTS = {"mode": "off", "steps": 0}
+
+
+def say_once(message: str) -> None:
+    """A note users see once per run (and in the run summary)."""
+    if message not in _NOTES:
+        _NOTES.append(message)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            print(f"bsrun: {message}", file=sys.stderr, flush=True)
+
+
+def set_mode(mode: str) -> None:
+    """scheduled > fallback > off: the run summary reports the most scheduled model."""
+    order = ("off", "fallback", "scheduled")
+    if order.index(mode) > order.index(_COUNTS["mode"]):
+        _COUNTS["mode"] = mode
+
+
+def count_step() -> None:
+    _COUNTS["steps"] += 1
+
+
+def counters() -> dict:
+    stats = {"tasks": 0, "partitions": 0, "bytes": 0, "rounds": 0, "negotiations": 0}
+    for rt in list(RUNTIMES):
+        for key, value in rt.counters().items():
+            stats[key] += value
+    return {**stats, "mode": _COUNTS["mode"], "steps": _COUNTS["steps"], "notes": list(_NOTES)}
+
+
+def runtime_of(params) -> "ModelRuntime | None":
+    ids = {id(p) for p in params}
+    for rt in list(RUNTIMES):
+        if ids & rt.index.keys():
+            return rt
+    return None
+
+
+def flush_all() -> None:
+    for rt in list(RUNTIMES):
+        rt.flush()
+
+
+def close_all() -> None:
+    for rt in list(RUNTIMES):
+        rt.close()
+
+
+def broadcast_from_rank0(tensors, group) -> None:
+    """Rank 0's values into every rank's tensors, one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class ModelRuntime:
+    """Scheduling state of one wrapped model."""
+
+    def __init__(self, module: torch.nn.Module, config, data_group, control_group):
+        self.module = module
+        self.config = config
+        self.data_group = data_group
+        self.control_group = control_group
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        n = len(self.params)
+        self.ready = [0] * n           # rounds in which the grad hook fired
+        self.done = [0] * n            # rounds whose communication finished
+        self.grads: list[torch.Tensor | None] = [None] * n
+        self.pending: dict[int, tuple] = {}       # param -> (optimizer, snapshot, group index)
+        self.deferred_zero: dict[int, bool] = {}  # param -> set_to_none, applied after its update
+        self.cv = threading.Condition()
+        self.error: BaseException | None = None
+        self.sync_backward = True                 # set by each forward (no_sync turns it off)
+        self.first_use: list[int] = []
+        self._first_use_seen: set[int] = set()
+        self.partitions = None
+        self.scheduler: Scheduler | None = None
+        self._seen_this_backward: set[int] = set()
+        self._handles = []
+        self._register_hooks()
+        RUNTIMES.add(self)
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        for module in self.module.modules():
+            owned = sorted({self.index[id(p)] for p in module._parameters.values()
+                            if p is not None and id(p) in self.index})
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda _m, _inputs, owned=owned: self.before_forward(owned)))
+                self._handles.append(module.register_state_dict_pre_hook(
+                    lambda *_args: self.flush()))
+        for p in self.params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def before_forward(self, owned: list[int]) -> None:
+        if self.partitions is None:
+            for i in owned:
+                if i not in self._first_use_seen:
+                    self._first_use_seen.add(i)
+                    self.first_use.append(i)
+        self.settle(owned)
+
+    def _on_grad(self, param) -> None:
+        if not self.sync_backward:
+            return  # inside no_sync(): gradients accumulate locally
+        if not self._seen_this_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        i = self.index[id(param)]
+        self._seen_this_backward.add(i)
+        self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        if self.scheduler is None:
+            self._start()
+        param = self.params[i]
+        if not param.grad.is_contiguous():
+            param.grad = param.grad.contiguous()
+        with self.cv:
+            self.grads[i] = param.grad
+            self.ready[i] += 1
+        for pid in self.partitions_of[i]:
+            self.waiting[pid] -= 1
+            if self.waiting[pid] == 0:
+                self.waiting[pid] = len(self.tensors_of[pid])
+                self.scheduler.mark_ready(pid)
+
+    def _end_of_backward(self) -> None:
+        """Parameters the forward pass did not use still take part, with zero gradients."""
+        missing = [i for i in range(len(self.params)) if i not in self._seen_this_backward]
+        self._seen_this_backward = set()
+        if missing:
+            say_once(f"{len(missing)} parameter(s) got no gradient in a backward pass; "
+                     f"bsrun all-reduces zeros for them (DDP would need find_unused_parameters=True)")
+        for i in missing:
+            if self.params[i].grad is None:
+                self.params[i].grad = torch.zeros_like(self.params[i])
+            self._mark_ready(i)
+
+    # --- layout and scheduler ------------------------------------------------------------
+
+    def _start(self) -> None:
+        """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
+        n = len(self.params)
+        order = self.first_use + [i for i in range(n) if i not in self._first_use_seen]
+        order_tensor = torch.tensor(order, dtype=torch.int64)
+        dist.broadcast(order_tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
+        order = order_tensor.tolist()
+        infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
+        self.partitions = plan_partitions(infos, order, self.config.partition)
+        self.tensors_of = [sorted({pc.tensor for pc in part.pieces}) for part in self.partitions]
+        self.waiting = [len(t) for t in self.tensors_of]
+        self.partitions_of = [[] for _ in range(n)]
+        for part in self.partitions:
+            for pc in part.pieces:
+                self.partitions_of[pc.tensor].append(part.pid)
+        self.parts_left = [len(ps) for ps in self.partitions_of]
+        backend = TorchDistBackend(self.data_group, self.partitions, lambda i: self.grads[i],
+                                   {str(p.dtype): p.dtype for p in self.params})
+        self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
+                                   self.config.credit_bytes, self._on_partition_done, self._on_error)
+
+    def _on_partition_done(self, pid: int) -> None:  # comm thread
+        finished = []
+        for i in self.tensors_of[pid]:
+            self.parts_left[i] -= 1
+            if self.parts_left[i] == 0:
+                self.parts_left[i] = len(self.partitions_of[i])
+                finished.append(i)
+        if finished:
+            with self.cv:
+                for i in finished:
+                    self.done[i] += 1
+                self.cv.notify_all()
+
+    def _on_error(self, error: BaseException) -> None:  # comm thread
+        with self.cv:
+            self.error = error
+            self.cv.notify_all()
+
+    # --- waiting and updating (training thread) ----------------------------------------------
+
+    def in_flight(self, i: int) -> bool:
+        return self.ready[i] > self.done[i]
+
+    def wait_for(self, indices) -> None:
+        with self.cv:
+            while self.error is None and any(self.ready[i] > self.done[i] for i in indices):
+                if not self.cv.wait(timeout=self.config.timeout):
+                    raise TimeoutError(f"bsrun: gradient communication made no progress for "
+                                       f"{self.config.timeout:g} s")
+            if self.error is not None:
+                raise RuntimeError(f"bsrun: gradient communication failed: {self.error}") from self.error
+
+    def settle(self, indices) -> None:
+        """Make these parameters current: communication done, update applied, zero applied."""
+        if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
+            return
+        self.wait_for(indices)
+        self.apply_updates([i for i in indices if i in self.pending])
+        for i in indices:
+            if i in self.deferred_zero:
+                optim.zero_param_grad(self.params[i], self.deferred_zero.pop(i))
+
+    def apply_updates(self, indices) -> None:
+        batches: dict[tuple, list] = {}
+        for i in indices:
+            opt, snapshot, group = self.pending.pop(i)
+            batches.setdefault((id(opt), id(snapshot)), [opt, snapshot, []])[2].append((group, self.params[i]))
+        for opt, snapshot, items in batches.values():
+            optim.step_subset(opt, snapshot, items)
+
+    def flush(self) -> None:
+        """Everything communicated, every pending update and zero applied."""
+        if self.scheduler is None and not self.pending:
+            return
+        self.settle(list(range(len(self.params))))
+
+    def optimizer_step(self, optimizer, closure):
+        """Replaces `optimizer.step()`: update what is ready, leave the rest pending."""
+        mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self.index]
+        self.settle([self.index[id(p)] for p in mine if self.index[id(p)] in self.pending])
+        reason = optim.why_not_elementwise(optimizer, closure)
+        if reason is not None:
+            say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
+            self.flush()
+            return type(optimizer).step(optimizer, *([closure] if closure is not None else []))
+        snapshot = optim.snapshot_groups(optimizer)
+        now = []
+        with self.cv:
+            for g, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    i = self.index.get(id(p))
+                    if i is not None and self.in_flight(i):
+                        self.pending[i] = (optimizer, snapshot, g)
+                    else:
+                        now.append((g, p))
+        optim.step_subset(optimizer, snapshot, now)
+        return None
+
+    def zero_grad(self, params, set_to_none: bool) -> None:
+        """Zero now what is settled; what is still in flight is zeroed right after its update."""
+        with self.cv:
+            for p in params:
+                i = self.index.get(id(p))
+                if i is not None and (self.in_flight(i) or i in self.pending):
+                    self.deferred_zero[i] = set_to_none
+                else:
+                    optim.zero_param_grad(p, set_to_none)
+
+    def counters(self) -> dict:
+        stats = dict(self.scheduler.stats) if self.scheduler else {}
+        return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
+                "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
+                "negotiations": stats.get("negotiations", 0)}
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()

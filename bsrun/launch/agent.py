@@ -1,0 +1,62 @@
+"""launch(plan): start the workers, watch them, tear down, write the run summary.
+
+The one place that owns a launch from start to exit code, as torchrun's agent does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bsrun.launch import summary
+from bsrun.launch.plan import LaunchPlan
+from bsrun.launch.workers import GroupResult, WorkerGroup
+
+
+def new_report_dir() -> Path:
+    base = Path(".bsrun")
+    base.mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=".reports-", dir=base)).resolve()
+
+
+def say(message: str) -> None:
+    print(f"bsrun: {message}", file=sys.stderr, flush=True)
+
+
+def _describe_failure(plan: LaunchPlan, result: GroupResult) -> str | None:
+    if result.failed_rank is not None:
+        who = f"rank {result.failed_rank}" if plan.kind == "local" else f"'{plan.command[0]}'"
+        return f"{who} failed with exit code {result.exit_code}; the other workers were stopped"
+    if result.interrupted_by is not None:
+        return f"stopped by {signal.Signals(result.interrupted_by).name}; all workers were stopped"
+    return None
+
+
+def launch(plan: LaunchPlan) -> int:
+    """Run the plan to the end and return bsrun's exit code."""
+    plan.report_dir = new_report_dir()
+    group = WorkerGroup(plan.worker_specs(), grace=plan.grace)
+    previous = {s: signal.signal(s, lambda signum, _frame: group.request_stop(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.time()
+    try:
+        group.start()
+        result = group.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    ended = time.time()
+    reports = summary.read_rank_reports(plan.report_dir)
+    shutil.rmtree(plan.report_dir, ignore_errors=True)
+    run = summary.build_summary(plan.command, plan.config, plan.kind, result.exit_code,
+                                result.exit_codes, reports, started, ended)
+    summary.save_summary(run)
+    failure = _describe_failure(plan, result)
+    if failure:
+        say(failure)
+    print(summary.one_line(run), file=sys.stderr, flush=True)
+    return result.exit_code

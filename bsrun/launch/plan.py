@@ -1,0 +1,132 @@
+"""LaunchPlan: everything a launch needs, decided before any process starts.
+
+Two kinds of launch:
+- "local": bsrun starts N Python workers itself with the torchrun variables (`-np N`,
+  or a bare `python ...` as one worker);
+- "wrap": a foreign launcher (torchrun, horovodrun, mpirun) runs as given, and the
+  injection reaches its workers through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import bsrun
+from bsrun.config import ACTIVE_ENV, PACKAGE_ROOT_ENV, REPORT_DIR_ENV, SchedConfig
+from bsrun.errors import BsrunError
+from bsrun.inject import SITE_DIR
+from bsrun.launch.workers import WorkerSpec
+
+FOREIGN_LAUNCHERS = ("torchrun", "horovodrun", "mpirun", "mpiexec")
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def is_python(executable: str) -> bool:
+    return bool(_PYTHON_RE.match(os.path.basename(executable)))
+
+
+def classify(command: list[str]) -> str:
+    """'python' for a Python command, 'launcher' for a foreign launcher; else a clear error."""
+    if not command:
+        raise BsrunError("no command given; try: bsrun -np 2 python train.py")
+    exe = os.path.basename(command[0])
+    if exe in FOREIGN_LAUNCHERS:
+        return "launcher"
+    if is_python(exe):
+        if command[1:3] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
+            return "launcher"
+        return "python"
+    raise BsrunError(f"'{command[0]}' is neither Python nor a known launcher "
+                     f"({', '.join(FOREIGN_LAUNCHERS)}); bsrun runs `python SCRIPT.py`, "
+                     f"`python -m MODULE` or a launcher")
+
+
+def check_python_command(command: list[str]) -> None:
+    """Fail before starting anything when the interpreter or the script is missing."""
+    if shutil.which(command[0]) is None:
+        raise BsrunError(f"Python interpreter '{command[0]}' not found")
+    args = command[1:]
+    while args and args[0].startswith("-") and args[0] not in ("-m", "-c", "-"):
+        args = args[1:]  # interpreter flags such as -u or -O
+    if not args:
+        raise BsrunError(f"no script given to {command[0]}; try: bsrun -np 2 python train.py")
+    if args[0] in ("-m", "-c"):
+        if len(args) < 2:
+            raise BsrunError(f"{command[0]} {args[0]} needs an argument")
+        return
+    if not Path(args[0]).is_file():
+        raise BsrunError(f"script '{args[0]}' not found")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchPlan:
+    command: list[str]
+    kind: str                      # "local" or "wrap"
+    nproc: int                     # workers bsrun starts (local), or 1 for the wrapped launcher
+    config: SchedConfig
+    grace: float = 10.0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    report_dir: Path | None = None  # made by the agent at launch time
+
+    @property
+    def world_size(self) -> int | None:
+        return self.nproc if self.kind == "local" else None
+
+    def injection_env(self) -> dict[str, str]:
+        """The environment that switches bsrun on in every Python process below."""
+        env = dict(self.base_env)
+        user_path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR)] + ([user_path] if user_path else []))
+        env[ACTIVE_ENV] = "1"
+        env[PACKAGE_ROOT_ENV] = str(Path(bsrun.__file__).resolve().parent.parent)
+        if self.report_dir is not None:
+            env[REPORT_DIR_ENV] = str(self.report_dir)
+        env.update(self.config.to_env())
+        return env
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables for one local worker, on top of the injection."""
+        env = self.injection_env()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                   WORLD_SIZE=str(self.nproc), LOCAL_WORLD_SIZE=str(self.nproc),
+                   ROLE_WORLD_SIZE=str(self.nproc), MASTER_ADDR=self.master_addr,
+                   MASTER_PORT=str(self.master_port), TORCHELASTIC_RUN_ID="bsrun")
+        if self.nproc > 1 and "OMP_NUM_THREADS" not in self.base_env:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N workers share the cores
+        return env
+
+    def worker_specs(self) -> list[WorkerSpec]:
+        if self.kind == "wrap":
+            return [WorkerSpec(rank=0, argv=list(self.command), env=self.injection_env())]
+        prefix = self.nproc > 1
+        return [WorkerSpec(rank=r, argv=list(self.command), env=self.rank_env(r),
+                           prefix=f"[{r}] " if prefix else None)
+                for r in range(self.nproc)]
+
+
+def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
+              grace: float = 10.0) -> LaunchPlan:
+    kind = classify(command)
+    if nproc is not None and nproc < 1:
+        raise BsrunError(f"-np must be at least 1, got {nproc}")
+    if kind == "launcher":
+        if nproc is not None:
+            raise BsrunError(f"-np goes with `python ...`; {os.path.basename(command[0])} "
+                             f"takes its own process count")
+        return LaunchPlan(command, "wrap", 1, config, grace)
+    check_python_command(command)
+    return LaunchPlan(command, "local", nproc or 1, config, grace,
+                      master_port=free_port())

@@ -1,0 +1,70 @@
+"""The run summary: what each rank reported at exit, merged by the launcher.
+
+Kept as `.bsrun/last-run.json` and `.bsrun/runs/<time>.json`; one line on the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from bsrun.fsutil import atomic_write_json
+
+RUNS_DIR = Path(".bsrun") / "runs"
+LAST_RUN = Path(".bsrun") / "last-run.json"
+
+
+def read_rank_reports(report_dir: Path) -> dict[int, dict]:
+    reports = {}
+    for path in sorted(Path(report_dir).glob("rank-*.json")):
+        try:
+            report = json.loads(path.read_text())
+            reports[int(report["rank"])] = report
+        except (ValueError, KeyError, OSError):
+            continue  # a rank killed mid-write leaves no valid report; its exit code still counts
+    return reports
+
+
+def build_summary(command, config, kind, exit_code, exit_codes, reports, started, ended) -> dict:
+    ranks = []
+    for rank in sorted(set(exit_codes) | set(reports)):
+        entry = {"rank": rank, **reports.get(rank, {"mode": "unknown"})}
+        if kind == "local":
+            entry["exit_code"] = exit_codes.get(rank)
+        ranks.append(entry)
+    return {
+        "command": list(command), "kind": kind, "config": config.as_dict(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "duration_s": round(ended - started, 3),
+        "exit_code": exit_code,
+        "ranks": ranks,
+    }
+
+
+def save_summary(summary: dict) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
+    path = RUNS_DIR / f"{stamp}.json"
+    atomic_write_json(path, summary)
+    atomic_write_json(LAST_RUN, summary)
+    return path
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def one_line(summary: dict) -> str:
+    ranks = summary["ranks"]
+    modes = sorted({r.get("mode", "unknown") for r in ranks})
+    head = f"bsrun: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {summary['duration_s']:.1f} s, mode {'/'.join(modes) or 'unknown'}"
+    reported = [r for r in ranks if "steps" in r]
+    if reported:
+        r0 = min(reported, key=lambda r: r["rank"])
+        head += (f"; rank {r0['rank']}: {r0['steps']} steps, {r0['partitions']} partitions, "
+                 f"{_human_bytes(r0['bytes'])} communicated")
+    return head + f" (summary in {LAST_RUN})"

@@ -1,0 +1,77 @@
+"""Cut gradients into partitions, in the order the next forward pass needs them.
+
+Tensors are taken in priority order (first use in the forward pass). A tensor larger
+than the partition size is cut into near-equal pieces no larger than it (zero-copy slices
+of the flattened gradient); consecutive small tensors of one dtype are fused into one
+partition up to the partition size, so a model of many small tensors does not pay one
+collective's latency for each. Partition ids are assigned in priority order, so
+"lowest id first" is the whole priority rule and ties cannot happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Piece:
+    tensor: int   # index of the tensor in the caller's list
+    start: int    # element range [start, stop) of the flattened tensor
+    stop: int
+
+
+@dataclass(frozen=True)
+class Partition:
+    pid: int
+    pieces: tuple[Piece, ...]
+    nbytes: int
+    dtype: str
+
+    @property
+    def fused(self) -> bool:
+        return len(self.pieces) > 1
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    numel: int
+    element_size: int
+    dtype: str
+
+
+def plan_partitions(tensors: list[TensorInfo], order: list[int], partition_bytes: int) -> list[Partition]:
+    """`order` lists tensor indices, most urgent first; returns partitions, most urgent first."""
+    if sorted(order) != list(range(len(tensors))):
+        raise ValueError("order must be a permutation of the tensor indices")
+    partitions: list[Partition] = []
+    group: list[Piece] = []
+    group_bytes = 0
+
+    def close_group():
+        nonlocal group, group_bytes
+        if group:
+            partitions.append(Partition(len(partitions), tuple(group), group_bytes,
+                                        tensors[group[0].tensor].dtype))
+        group, group_bytes = [], 0
+
+    for index in order:
+        info = tensors[index]
+        nbytes = info.numel * info.element_size
+        if nbytes == 0:
+            continue
+        if nbytes > partition_bytes:
+            close_group()
+            per_piece = max(1, partition_bytes // info.element_size)
+            count = -(-info.numel // per_piece)
+            step = -(-info.numel // count)  # near-equal pieces, none above the partition size
+            for start in range(0, info.numel, step):
+                stop = min(info.numel, start + step)
+                partitions.append(Partition(len(partitions), (Piece(index, start, stop),),
+                                            (stop - start) * info.element_size, info.dtype))
+            continue
+        if group and (group_bytes + nbytes > partition_bytes or tensors[group[0].tensor].dtype != info.dtype):
+            close_group()
+        group.append(Piece(index, 0, info.numel))
+        group_bytes += nbytes
+    close_group()
+    return partitions
