@@ -55,15 +55,27 @@ def launch_options(f):
                      default=None, help="TOML file of knobs (partition = \"4MB\", ...)"),
         click.option("--grace", type=float, default=10.0, show_default=True,
                      help="seconds between SIGTERM and SIGKILL when stopping workers"),
+        click.option("--emulate-bandwidth", default=None,
+                     help="run each rank on its own emulated host, links shaped to this rate (3gbit); root"),
+        click.option("--emulate-latency", default=None, help="one-way latency on the emulated links (100us)"),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace):
+def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace,
+                   emulate_bandwidth=None, emulate_latency=None):
     """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line."""
-    from bsrun.launch.plan import make_plan
+    from bsrun.launch.plan import NetworkSpec, make_plan
+
+    network = None
+    if emulate_bandwidth is not None or emulate_latency is not None:
+        from bsrun.launch import netem
+
+        network = NetworkSpec(
+            netem.parse_rate(emulate_bandwidth) if emulate_bandwidth is not None else None,
+            netem.parse_latency(emulate_latency) if emulate_latency is not None else None)
 
     if nproc is not None and nproc < 1:
         raise BsrunError(f"-np must be at least 1, got {nproc}")
@@ -72,7 +84,7 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
     signature = job_signature(list(command), nproc or 1)
     tuned = load_tuned(signature)
     config = resolve(flags, config_file, tuned=tuned)
-    plan = make_plan(list(command), nproc, config, grace=grace)
+    plan = make_plan(list(command), nproc, config, grace=grace, network=network)
     if any(s.startswith("tuned") for s in config.sources.values()):
         fixed = ", ".join(f"{n}={getattr(config, n)}" for n, s in config.sources.items() if s.startswith("tuned"))
         click.echo(f"bsrun: using tuned config {fixed} from {TUNED_FILE}", err=True)

@@ -267,7 +267,15 @@ class ModelRuntime:
         if reason is not None:
             say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
             self.flush()
-            return type(optimizer).step(optimizer, *([closure] if closure is not None else []))
+            if closure is None:
+                return type(optimizer).step(optimizer)
+
+            def synchronised_closure():
+                loss = closure()  # its backward is scheduled; the optimizer reads grads next
+                self.flush()
+                return loss
+
+            return type(optimizer).step(optimizer, synchronised_closure)
         snapshot = optim.snapshot_groups(optimizer)
         now = []
         with self.cv:

@@ -38,8 +38,22 @@ def _describe_failure(plan: LaunchPlan, result: GroupResult) -> str | None:
 
 def launch(plan: LaunchPlan) -> int:
     """Run the plan to the end and return bsrun's exit code."""
+    if plan.network is None:
+        return _launch_on(plan, None)
+    from bsrun.launch.netem import EmulatedNetwork
+
+    spec = plan.network
+    with EmulatedNetwork(plan.nproc, spec.rate_bps, spec.latency_s) as net:
+        if plan.nproc > 1 and spec.rate_bps:
+            achieved = net.measure_rate(seconds=0.5)
+            say(f"emulated network: {plan.nproc} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
+                f"measured {achieved / 1e9:.3g} Gbit/s")
+        return _launch_on(plan, net)
+
+
+def _launch_on(plan: LaunchPlan, net) -> int:
     plan.report_dir = new_report_dir()
-    group = WorkerGroup(plan.worker_specs(), grace=plan.grace)
+    group = WorkerGroup(plan.worker_specs(net), grace=plan.grace)
     previous = {s: signal.signal(s, lambda signum, _frame: group.request_stop(signum))
                 for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()

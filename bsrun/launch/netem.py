@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from bsrun.errors import BsrunError
+
 __all__ = [
     "NetemError",
     "EmulatedHost",
@@ -69,7 +71,7 @@ _UNITS_TIME = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NUMBER_UNIT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
 
 
-class NetemError(Exception):
+class NetemError(BsrunError):
     """Anything the user can get wrong or lack when emulating a network."""
 
 

@@ -69,6 +69,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class NetworkSpec:
+    """An emulated network: one host (network namespace) per rank, shaped links."""
+
+    rate_bps: int | None
+    latency_s: float | None = None
+
+
 @dataclass
 class LaunchPlan:
     command: list[str]
@@ -80,6 +88,7 @@ class LaunchPlan:
     master_port: int = 0
     base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     report_dir: Path | None = None  # made by the agent at launch time
+    network: NetworkSpec | None = None  # emulated hosts, one per rank
 
     @property
     def world_size(self) -> int | None:
@@ -108,17 +117,22 @@ class LaunchPlan:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N workers share the cores
         return env
 
-    def worker_specs(self) -> list[WorkerSpec]:
+    def worker_specs(self, net=None) -> list[WorkerSpec]:
+        """One spec per process; on an emulated network `net`, each rank in its own host."""
         if self.kind == "wrap":
             return [WorkerSpec(rank=0, argv=list(self.command), env=self.injection_env())]
-        prefix = self.nproc > 1
-        return [WorkerSpec(rank=r, argv=list(self.command), env=self.rank_env(r),
-                           prefix=f"[{r}] " if prefix else None)
-                for r in range(self.nproc)]
+        specs = []
+        for r in range(self.nproc):
+            argv, env = list(self.command), self.rank_env(r)
+            if net is not None:
+                argv = net.wrap(r, argv)
+                env.update(net.env_for(r), MASTER_ADDR=net.master_addr)
+            specs.append(WorkerSpec(rank=r, argv=argv, env=env, prefix=f"[{r}] " if self.nproc > 1 else None))
+        return specs
 
 
 def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
-              grace: float = 10.0) -> LaunchPlan:
+              grace: float = 10.0, network: NetworkSpec | None = None) -> LaunchPlan:
     kind = classify(command)
     if nproc is not None and nproc < 1:
         raise BsrunError(f"-np must be at least 1, got {nproc}")
@@ -126,7 +140,9 @@ def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
         if nproc is not None:
             raise BsrunError(f"-np goes with `python ...`; {os.path.basename(command[0])} "
                              f"takes its own process count")
+        if network is not None:
+            raise BsrunError("--emulate-bandwidth goes with `-np N python ...` (bsrun's own launcher)")
         return LaunchPlan(command, "wrap", 1, config, grace)
     check_python_command(command)
     return LaunchPlan(command, "local", nproc or 1, config, grace,
-                      master_port=free_port())
+                      master_port=free_port(), network=network)

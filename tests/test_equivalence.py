@@ -1,0 +1,70 @@
+"""Scheduled training computes the same parameters as plain DDP (DESIGN.md, Semantics).
+
+Each case runs the same script twice on 2 real gloo ranks, under `bsrun` and under
+`bsrun --no-schedule` (which leaves DDP exactly as it is), and compares rank 0's final
+model and optimizer state with allclose(rtol=1e-5).
+"""
+
+import pytest
+import torch
+
+from conftest import WORKERS, last_run, run_bsrun
+
+SCRIPT = WORKERS / "train_equiv.py"
+
+
+def train(workdir, name, script_args, bsrun_args=()):
+    out = workdir / f"{name}.pt"
+    run_bsrun([*bsrun_args, "-np", 2, "python", SCRIPT, *script_args, "--out", out],
+              cwd=workdir, check=True)
+    return torch.load(out), last_run(workdir)
+
+
+def assert_same_state(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-8), \
+            f"{path} differs: max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{path} keys differ: {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path} lengths differ"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{k}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+CASES = {
+    "sgd-nesterov": ["--optimizer", "sgd"],
+    "adam": ["--optimizer", "adam"],
+    "adamw-groups-steplr": ["--optimizer", "adamw-groups", "--scheduler"],
+    "rmsprop-batchnorm": ["--optimizer", "rmsprop", "--batchnorm"],
+    "adagrad-frozen-layer": ["--optimizer", "adagrad", "--frozen"],
+    "clip-grad-norm": ["--optimizer", "sgd", "--clip", "0.5"],
+    "eval-and-checkpoint": ["--optimizer", "adam", "--batchnorm", "--eval-every", "4", "--checkpoint-at", "7"],
+    "no-sync-accumulation": ["--optimizer", "sgd", "--accumulate", "3", "--steps", "8"],
+    "lbfgs-closure": ["--optimizer", "lbfgs", "--steps", "6"],
+}
+
+
+RUNS = [(case, "1KiB") for case in CASES] + [("adam", "64MB"), ("no-sync-accumulation", "64MB")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,partition", RUNS, ids=[f"{c}-{p}" for c, p in RUNS])
+def test_scheduled_equals_plain_ddp(workdir, case, partition):
+    """1KiB cuts every tensor into many pieces; 64MB fuses the whole model into one."""
+    args = CASES[case]
+    plain, plain_run = train(workdir, "plain", args, ["--no-schedule"])
+    sched, sched_run = train(workdir, "sched", args, ["--partition", partition, "--credit", "4x"])
+    assert {r["mode"] for r in plain_run["ranks"]} == {"off"}
+    assert {r["mode"] for r in sched_run["ranks"]} == {"scheduled"}
+    r0 = sched_run["ranks"][0]
+    assert r0["partitions"] > 0 and r0["bytes"] > 0
+    if partition == "1KiB":
+        assert r0["partitions"] > 10 * r0["rounds"], "tiny partitions must cut tensors into many pieces"
+    else:
+        assert r0["partitions"] == r0["rounds"], "a huge partition fuses the whole model into one"
+    assert_same_state(sched, plain)
