@@ -68,3 +68,14 @@ def test_scheduled_equals_plain_ddp(workdir, case, partition):
     else:
         assert r0["partitions"] == r0["rounds"], "a huge partition fuses the whole model into one"
     assert_same_state(sched, plain)
+
+
+@pytest.mark.slow
+def test_random_per_rank_delays_neither_hang_nor_change_the_result(workdir):
+    """100 steps with random sleeps inside backward and in the comm thread, per rank."""
+    args = ["--optimizer", "adam", "--batchnorm", "--steps", "100"]
+    steady, _ = train(workdir, "steady", args, ["--partition", "4KiB", "--credit", "3x"])
+    jittered, run = train(workdir, "jittered", [*args, "--jitter", "0.004", "--comm-jitter", "0.002"],
+                          ["--partition", "4KiB", "--credit", "3x"])
+    assert run["ranks"][0]["rounds"] == 100
+    assert_same_state(jittered, steady)

@@ -51,6 +51,23 @@ def make_optimizer(name, model):
     raise SystemExit(f"unknown optimizer {name}")
 
 
+def delay_collectives(rng, most):
+    """Sleep randomly in bsrun's comm thread before each collective (this rank only)."""
+    from bsrun.sched.torch_backend import TorchDistBackend
+
+    post, negotiate = TorchDistBackend.post, TorchDistBackend.negotiate
+
+    def slow_post(self, *args):
+        time.sleep(rng.random() * most)
+        return post(self, *args)
+
+    def slow_negotiate(self, *args):
+        time.sleep(rng.random() * most)
+        return negotiate(self, *args)
+
+    TorchDistBackend.post, TorchDistBackend.negotiate = slow_post, slow_negotiate
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=15)
@@ -63,6 +80,8 @@ def main():
     p.add_argument("--checkpoint-at", type=int, default=-1)
     p.add_argument("--accumulate", type=int, default=1, help="micro-steps per step, no_sync between")
     p.add_argument("--jitter", type=float, default=0.0, help="max random sleep (s) inside backward")
+    p.add_argument("--comm-jitter", type=float, default=0.0,
+                   help="max random sleep (s) before each collective of bsrun's comm thread")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -78,6 +97,8 @@ def main():
         jitter_rng = random.Random(rank * 7919 + 1)
         for module in (net.conv1, net.fc1, net.fc2):
             module.register_full_backward_hook(lambda *_: time.sleep(jitter_rng.random() * a.jitter))
+    if a.comm_jitter:
+        delay_collectives(random.Random(rank * 104729 + 3), a.comm_jitter)
     model = DDP(net)
     opt = make_optimizer(a.optimizer, model)
     sched = torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.5) if a.scheduler else None
