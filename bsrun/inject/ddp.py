@@ -57,6 +57,7 @@ class ScheduledDDP(DistributedDataParallel):
             runtime.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
             runtime.set_mode("fallback")
             super().__init__(*args, **kwargs)
+            self.__class__ = DistributedDataParallel  # from here on, exactly plain DDP
             return
         torch.nn.Module.__init__(self)
         self.module = module
