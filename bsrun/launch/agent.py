@@ -36,33 +36,60 @@ def _describe_failure(plan: LaunchPlan, result: GroupResult) -> str | None:
     return None
 
 
+class Interrupted(Exception):
+    """SIGINT/SIGTERM before the workers started: unwinds through every cleanup."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+class _StopSignals:
+    """While a launch runs, SIGINT/SIGTERM stop the workers (or the set-up) cleanly."""
+
+    def __init__(self):
+        self.group: WorkerGroup | None = None
+
+    def _handle(self, signum, _frame):
+        if self.group is None:
+            raise Interrupted(signum)
+        self.group.request_stop(signum)
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 def launch(plan: LaunchPlan) -> int:
     """Run the plan to the end and return bsrun's exit code."""
-    if plan.network is None:
-        return _launch_on(plan, None)
-    from bsrun.launch.netem import EmulatedNetwork
+    try:
+        with _StopSignals() as stop:
+            if plan.network is None:
+                return _launch_on(plan, None, stop)
+            from bsrun.launch.netem import EmulatedNetwork
 
-    spec = plan.network
-    with EmulatedNetwork(plan.nproc, spec.rate_bps, spec.latency_s) as net:
-        if plan.nproc > 1 and spec.rate_bps:
-            achieved = net.measure_rate(seconds=0.5)
-            say(f"emulated network: {plan.nproc} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
-                f"measured {achieved / 1e9:.3g} Gbit/s")
-        return _launch_on(plan, net)
+            spec = plan.network
+            with EmulatedNetwork(plan.nproc, spec.rate_bps, spec.latency_s) as net:
+                if plan.nproc > 1 and spec.rate_bps:
+                    achieved = net.measure_rate(seconds=0.5)
+                    say(f"emulated network: {plan.nproc} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
+                        f"measured {achieved / 1e9:.3g} Gbit/s")
+                return _launch_on(plan, net, stop)
+    except Interrupted as e:
+        say(f"stopped by {signal.Signals(e.signum).name} before the workers started")
+        return 128 + e.signum
 
 
-def _launch_on(plan: LaunchPlan, net) -> int:
+def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
     plan.report_dir = new_report_dir()
     group = WorkerGroup(plan.worker_specs(net), grace=plan.grace)
-    previous = {s: signal.signal(s, lambda signum, _frame: group.request_stop(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
-    try:
-        group.start()
-        result = group.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    stop.group = group
+    group.start()
+    result = group.wait()
     ended = time.time()
     reports = summary.read_rank_reports(plan.report_dir)
     shutil.rmtree(plan.report_dir, ignore_errors=True)

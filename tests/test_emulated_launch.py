@@ -1,0 +1,62 @@
+"""`bsrun --emulate-bandwidth`: real DDP across network namespaces, nothing left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import WORKERS, bsrun_env, last_run, run_bsrun
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
+
+
+def bsrun_namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("bsrun-")]
+
+
+def test_ddp_across_two_emulated_hosts(workdir):
+    proc = run_bsrun(["--emulate-bandwidth", "1gbit", "-np", 2, "python", WORKERS / "ddp_smoke.py"],
+                     cwd=workdir, check=True, timeout=120)
+    assert "emulated network: 2 hosts, set 1 Gbit/s, measured" in proc.stderr
+    measured = float(proc.stderr.split("measured ")[1].split(" ")[0])
+    assert 0.85 <= measured <= 1.05
+    assert all(r["mode"] == "scheduled" and r["partitions"] > 0 for r in last_run(workdir)["ranks"])
+    assert bsrun_namespaces() == []
+
+
+def test_sigterm_during_an_emulated_run_removes_the_network(workdir):
+    proc = subprocess.Popen([sys.executable, "-m", "bsrun", "--grace", "2", "--emulate-bandwidth", "500mbit",
+                             "-np", "2", "python", "-c", "import time; time.sleep(60)"],
+                            cwd=workdir, env=bsrun_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(bsrun_namespaces()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(bsrun_namespaces()) == 2, "the emulated hosts did not come up"
+        time.sleep(1.5)  # past the rate check, workers running
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert bsrun_namespaces() == []
+
+
+def test_a_failing_rank_on_the_emulated_network_still_cleans_up(workdir):
+    proc = run_bsrun(["--grace", 2, "--emulate-bandwidth", "1gbit", "-np", 2, "python", "-c",
+                      "import os, sys, time; time.sleep(0.5); sys.exit(4 if os.environ['RANK'] == '1' else 0)"],
+                     cwd=workdir, timeout=60)
+    assert proc.returncode == 4 and "rank 1 failed with exit code 4" in proc.stderr
+    assert bsrun_namespaces() == []
+
+
+def test_emulated_network_goes_only_with_bsruns_own_launcher(workdir):
+    proc = run_bsrun(["--emulate-bandwidth", "1gbit", "torchrun", "--standalone", "x.py"], cwd=workdir)
+    assert proc.returncode == 2 and "goes with `-np N python ...`" in proc.stderr
