@@ -70,9 +70,10 @@ class ScheduledDDP(DistributedDataParallel):
         config = SchedConfig.from_env()
         ranks = dist.get_process_group_ranks(self.process_group)
         timeout = timedelta(seconds=config.timeout)
-        data_group, control_group = (dist.new_group(ranks, timeout=timeout, backend="gloo",
-                                                    use_local_synchronization=True) for _ in range(2))
-        self._bsrun = runtime.ModelRuntime(module, config, data_group, control_group)
+        groups = tuple(dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+                       for _ in range(3))
+        self._bsrun = runtime.ModelRuntime(module, config, groups)
+        control_group = groups[2]
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
             runtime.broadcast_from_rank0(list(module.parameters()) + self.modules_buffers, control_group)

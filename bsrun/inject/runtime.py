@@ -97,11 +97,13 @@ def broadcast_from_rank0(tensors, group) -> None:
 class ModelRuntime:
     """Scheduling state of one wrapped model."""
 
-    def __init__(self, module: torch.nn.Module, config, data_group, control_group):
+    def __init__(self, module: torch.nn.Module, config, groups):
+        """`groups`: three process groups of the model's ranks, for gradient bytes,
+        negotiations (both used only by the scheduler's threads) and the training
+        thread's own collectives (buffer broadcasts), so no two threads share one."""
         self.module = module
         self.config = config
-        self.data_group = data_group
-        self.control_group = control_group
+        self.data_group, self.negotiation_group, self.control_group = groups
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         n = len(self.params)
@@ -198,7 +200,8 @@ class ModelRuntime:
             for pc in part.pieces:
                 self.partitions_of[pc.tensor].append(part.pid)
         self.parts_left = [len(ps) for ps in self.partitions_of]
-        backend = TorchDistBackend(self.data_group, self.partitions, lambda i: self.grads[i],
+        backend = TorchDistBackend(self.data_group, self.negotiation_group, self.partitions,
+                                   lambda i: self.grads[i],
                                    {str(p.dtype): p.dtype for p in self.params})
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
                                    self.config.credit_bytes, self._on_partition_done, self._on_error)

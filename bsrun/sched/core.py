@@ -1,26 +1,34 @@
 """The scheduler core: a priority order, a credit window and cross-rank agreement.
 
 Framework-neutral: it knows partitions only by id (lower id = more urgent) and size, and
-talks to a `CommBackend` that moves the bytes. One thread per scheduler; it sleeps on a
-condition variable, never polls.
+talks to a `CommBackend` that moves the bytes. Two threads, both sleeping on one
+condition variable (no polling): the control thread agrees with the other ranks and
+issues collectives; the finisher waits for them in order and hands results back.
 
-Agreement without a leader: every collective carries this rank's readiness bitmap of
-the round's partitions and returns their sum, so after each completion all ranks hold
-the same picture of what is ready everywhere (sum == world size). Each next choice is a
-pure function of that shared picture and of sizes: the most urgent partition known
-ready everywhere, while the bytes in flight stay within the credit. So every rank issues
-the same collectives in the same order whatever its timing, with no round trip per
-decision. Only when nothing is known ready everywhere and nothing is in flight does a
-rank send a bitmap alone (a negotiation), and only once it has news to tell.
+Agreement without a leader. All ranks take part in a sequence of small negotiations on
+a channel of their own (not behind the gradient bytes): each rank contributes its
+readiness bitmap of the round's partitions and its count of finished collectives, and
+gets back the elementwise minimum. After each negotiation every rank holds the same
+picture: which partitions are ready everywhere, and how many collectives have finished
+everywhere. Every decision is a pure function of that picture: issue the most urgent
+partition ready everywhere, while the bytes not yet finished everywhere stay within the
+credit. So all ranks issue the same collectives in the same order whatever their timing.
+
+When to negotiate: at once when this rank has news (a partition became ready, or, while
+the credit is what holds issuing back, a collective finished); after a short pause when
+others are behind this rank (they will have news); otherwise never. A rank that is the
+minimum everywhere is what everyone waits for, and its own progress brings its news, so
+this cannot deadlock.
 
 Rounds: one round is one synchronising backward pass; every partition is sent once per
-round. A partition's readiness is counted, not flagged, so a hook of the next round can
-arrive before this thread has closed the current one.
+round. Readiness is counted, not flagged, so a hook of the next round can arrive before
+the current round is closed here.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable, Protocol, Sequence
 
@@ -28,14 +36,14 @@ from typing import Callable, Protocol, Sequence
 class CommBackend(Protocol):
     world_size: int
 
-    def post(self, pid: int, ready: Sequence[int]) -> object:
-        """Start partition `pid`'s collective, carrying this rank's readiness bitmap."""
+    def post(self, pid: int) -> object:
+        """Start partition `pid`'s collective (asynchronously); return a handle."""
 
-    def negotiate(self, ready: Sequence[int]) -> object:
-        """Start a collective of the readiness bitmap alone."""
+    def wait(self, handle) -> None:
+        """Block until that collective is done and finish the partition (average it)."""
 
-    def wait(self, handle) -> Sequence[int]:
-        """Block until done; finish the partition (if any); return the summed bitmap."""
+    def negotiate(self, values: Sequence[int]) -> list[int]:
+        """Blocking: the elementwise minimum of `values` over all ranks."""
 
 
 class SchedulerClosed(RuntimeError):
@@ -45,87 +53,139 @@ class SchedulerClosed(RuntimeError):
 class Scheduler:
     def __init__(self, backend: CommBackend, sizes: Sequence[int], credit_bytes: int,
                  on_complete: Callable[[int], None], on_error: Callable[[BaseException], None],
-                 name: str = "bsrun-comm"):
+                 pace_s: float = 0.002, name: str = "bsrun"):
         self.backend = backend
         self.sizes = list(sizes)
         self.credit = credit_bytes
         self.on_complete = on_complete
         self.on_error = on_error
-        self._ready = [0] * len(self.sizes)  # times each partition was marked ready
+        self.pace_s = pace_s
+        self._ready = [0] * len(self.sizes)   # times each partition was marked ready
+        self._finished: dict[int, int] = {}   # round -> collectives finished here
+        self._issued: deque = deque()         # (round, pid, handle) for the finisher
         self._cv = threading.Condition()
         self._closing = False
         self.stats = {"rounds": 0, "partitions": 0, "bytes": 0, "negotiations": 0}
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"{name}-{fn.__name__}",
+                                          daemon=True) for fn in (self._control, self._finisher)]
+        for t in self._threads:
+            t.start()
 
     def mark_ready(self, pid: int) -> None:
         with self._cv:
             self._ready[pid] += 1
-            self._cv.notify()
+            self._cv.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._closing = True
-            self._cv.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
 
-    # --- the communication thread ---------------------------------------------------
-
-    def _bitmap(self, round_: int) -> list[int]:
-        return [1 if count > round_ else 0 for count in self._ready]
-
-    def _run(self) -> None:
+    def _guard(self, fn) -> None:
         try:
-            round_ = 0
-            while True:
-                with self._cv:
-                    while not self._closing and not any(c > round_ for c in self._ready):
-                        self._cv.wait()
-                    if self._closing:
-                        return
-                self._run_round(round_)
-                round_ += 1
-                self.stats["rounds"] = round_
+            fn()
         except SchedulerClosed:
-            return
+            pass
         except BaseException as e:  # reported to the training thread, which raises it
             self.on_error(e)
+            self.close(timeout=0)
 
-    def _run_round(self, round_: int) -> None:
-        world = self.backend.world_size
-        unsent = set(range(len(self.sizes)))
-        known: set[int] = set()       # ready on every rank, as of the last completion
-        inflight: deque = deque()
-        inflight_bytes = 0
+    def _wait(self, predicate, timeout=None) -> bool:
+        """Under the lock: sleep until predicate() or closing; raise if closing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not predicate():
+            if self._closing:
+                raise SchedulerClosed()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._cv.wait(remaining)
+        if self._closing:
+            raise SchedulerClosed()
+        return True
 
-        def learn(counts):
-            known.update(p for p, c in enumerate(counts) if c >= world)
+    # --- the finisher: waits for issued collectives in order ---------------------------
 
-        while unsent or inflight:
-            candidates = known & unsent
-            choice = min(candidates) if candidates else None
-            if choice is not None and (not inflight or inflight_bytes + self.sizes[choice] <= self.credit):
-                with self._cv:
-                    bitmap = self._bitmap(round_)
-                inflight.append((choice, self.backend.post(choice, bitmap)))
-                unsent.discard(choice)
-                inflight_bytes += self.sizes[choice]
-                continue
-            if inflight:
-                pid, handle = inflight.popleft()
-                learn(self.backend.wait(handle))
-                inflight_bytes -= self.sizes[pid]
-                self.stats["partitions"] += 1
-                self.stats["bytes"] += self.sizes[pid]
-                self.on_complete(pid)
-                continue
-            with self._cv:  # nothing to send that all ranks have: wait for news, then tell
-                while not self._closing and not any(
-                        self._ready[p] > round_ for p in unsent - known):
-                    self._cv.wait()
-                if self._closing:
-                    raise SchedulerClosed()
-                bitmap = self._bitmap(round_)
+    def _finisher(self) -> None:
+        while True:
+            with self._cv:
+                self._wait(lambda: bool(self._issued))
+                round_, pid, handle = self._issued[0]
+            self.backend.wait(handle)
+            self.stats["partitions"] += 1
+            self.stats["bytes"] += self.sizes[pid]
+            self.on_complete(pid)
+            with self._cv:
+                self._issued.popleft()
+                self._finished[round_] = self._finished.get(round_, 0) + 1
+                self._finished.pop(round_ - 2, None)
+                self._cv.notify_all()
+
+    # --- the control thread: agree, then issue ------------------------------------------
+
+    def _control(self) -> None:
+        round_ = 0
+        while True:
+            with self._cv:
+                self._wait(lambda: any(c > round_ for c in self._ready))
+            self._control_round(round_)
+            round_ += 1
+            self.stats["rounds"] = round_
+
+    def _control_round(self, round_: int) -> None:
+        count = len(self.sizes)
+        issued: list[int] = []
+        issued_set: set[int] = set()
+        everywhere: set[int] = set()  # ready on every rank, as of the last negotiation
+        finished_everywhere = 0
+        sent: list[int] | None = None
+        result: list[int] | None = None
+        last = 0.0
+
+        def mine() -> list[int]:
+            return [1 if c > round_ else 0 for c in self._ready] + [self._finished.get(round_, 0)]
+
+        while len(issued) < count:
+            blocked = bool(everywhere - issued_set)  # ready everywhere, held back by the credit
+
+            def news() -> bool:
+                now = mine()
+                return sent is None or now[:count] != sent[:count] or (blocked and now[count] != sent[count])
+
+            def ahead() -> bool:  # others are behind this rank: they will have news
+                return result is not None and (sent[:count] != result[:count]
+                                               or (blocked and sent[count] != result[count]))
+
+            with self._cv:
+                if not news():
+                    if ahead():
+                        self._wait(news, timeout=max(0.0, last + self.pace_s - time.monotonic()))
+                    else:
+                        self._wait(news)
+                sent = mine()
+            result = self.backend.negotiate(sent)
+            last = time.monotonic()
             self.stats["negotiations"] += 1
-            learn(self.backend.wait(self.backend.negotiate(bitmap)))
+            everywhere = {p for p in range(count) if result[p] >= 1}
+            finished_everywhere = result[count]
+            self._issue(round_, issued, issued_set, everywhere, finished_everywhere)
+
+    def _issue(self, round_, issued, issued_set, everywhere, finished_everywhere) -> None:
+        """Issue, most urgent first, what is ready everywhere and fits in the credit."""
+        while True:
+            candidates = everywhere - issued_set
+            if not candidates:
+                return
+            choice = min(candidates)
+            unfinished = issued[finished_everywhere:]
+            if unfinished and sum(self.sizes[p] for p in unfinished) + self.sizes[choice] > self.credit:
+                return
+            handle = self.backend.post(choice)
+            issued.append(choice)
+            issued_set.add(choice)
+            with self._cv:
+                self._issued.append((round_, choice, handle))
+                self._cv.notify_all()

@@ -1,9 +1,10 @@
-"""CommBackend over torch.distributed: one all-reduce per partition on a group of its own.
+"""CommBackend over torch.distributed: one all-reduce per partition, negotiations apart.
 
-A partition of one large gradient is a zero-copy slice of it; a fused partition of small
-gradients goes through a staging buffer allocated once. The readiness bitmap travels as
-a second, tiny all-reduce issued right behind the data, so it costs no extra round trip.
-The result is averaged in place (sum / world size), as DDP does.
+Gradient bytes go over one process group, negotiations over another, so a negotiation
+waits only behind the network's queue, never behind megabytes of gradients on the same
+connection. A partition of one large gradient is a zero-copy slice of it; a fused
+partition of small gradients goes through a staging buffer allocated once. The result is
+averaged in place (sum / world size), as DDP does.
 """
 
 from __future__ import annotations
@@ -17,48 +18,45 @@ from bsrun.sched.partition import Partition
 
 
 class TorchDistBackend:
-    def __init__(self, group, partitions: list[Partition], grad_of: Callable[[int], torch.Tensor],
-                 dtypes: dict[str, torch.dtype]):
+    def __init__(self, data_group, negotiation_group, partitions: list[Partition],
+                 grad_of: Callable[[int], torch.Tensor], dtypes: dict[str, torch.dtype]):
         """`grad_of(tensor_index)` returns that tensor's current (contiguous) gradient."""
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.data_group = data_group
+        self.negotiation_group = negotiation_group
+        self.world_size = dist.get_world_size(data_group)
         self.partitions = partitions
         self.grad_of = grad_of
         self.staging = {p.pid: torch.empty(sum(pc.stop - pc.start for pc in p.pieces), dtype=dtypes[p.dtype])
                         for p in partitions if p.fused}
 
-    def _bitmap_work(self, ready: Sequence[int]):
-        bitmap = torch.tensor(ready, dtype=torch.float32)
-        return bitmap, dist.all_reduce(bitmap, group=self.group, async_op=True)
+    def _pieces(self, part: Partition):
+        """(slice of the staging buffer, slice of the gradient) for each piece."""
+        offset = 0
+        for pc in part.pieces:
+            n = pc.stop - pc.start
+            yield self.staging[part.pid][offset:offset + n], self.grad_of(pc.tensor).view(-1)[pc.start:pc.stop]
+            offset += n
 
-    def post(self, pid: int, ready: Sequence[int]):
+    def post(self, pid: int):
         part = self.partitions[pid]
         if part.fused:
+            for staged, grad in self._pieces(part):
+                staged.copy_(grad)
             data = self.staging[pid]
-            offset = 0
-            for pc in part.pieces:
-                n = pc.stop - pc.start
-                data[offset:offset + n].copy_(self.grad_of(pc.tensor).view(-1)[pc.start:pc.stop])
-                offset += n
         else:
             pc = part.pieces[0]
             data = self.grad_of(pc.tensor).view(-1)[pc.start:pc.stop]
-        work = dist.all_reduce(data, group=self.group, async_op=True)
-        return (part, data, work, *self._bitmap_work(ready))
+        return part, data, dist.all_reduce(data, group=self.data_group, async_op=True)
 
-    def negotiate(self, ready: Sequence[int]):
-        return (None, None, None, *self._bitmap_work(ready))
+    def wait(self, handle) -> None:
+        part, data, work = handle
+        work.wait()
+        data.div_(self.world_size)
+        if part.fused:
+            for staged, grad in self._pieces(part):
+                grad.copy_(staged)
 
-    def wait(self, handle) -> list[int]:
-        part, data, work, bitmap, bitmap_work = handle
-        if work is not None:
-            work.wait()
-            data.div_(self.world_size)
-            if part.fused:
-                offset = 0
-                for pc in part.pieces:
-                    n = pc.stop - pc.start
-                    self.grad_of(pc.tensor).view(-1)[pc.start:pc.stop].copy_(data[offset:offset + n])
-                    offset += n
-        bitmap_work.wait()
-        return [int(round(v)) for v in bitmap.tolist()]
+    def negotiate(self, values: Sequence[int]) -> list[int]:
+        negated = -torch.tensor(values, dtype=torch.int64)  # min = -max(-x); gloo has MAX
+        dist.all_reduce(negated, op=dist.ReduceOp.MAX, group=self.negotiation_group)
+        return (-negated).tolist()

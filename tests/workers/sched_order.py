@@ -26,14 +26,15 @@ shape_rng = random.Random(42)  # the same tensors on every rank
 tensors = [torch.zeros(shape_rng.randint(1, 3000)) for _ in range(12)]
 infos = [TensorInfo(t.numel(), 4, "torch.float32") for t in tensors]
 parts = plan_partitions(infos, list(range(len(tensors)))[::-1], partition_bytes=2048)
-backend = TorchDistBackend(dist.new_group(backend="gloo"), parts, lambda i: tensors[i],
+backend = TorchDistBackend(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"), parts,
+                           lambda i: tensors[i],
                            {"torch.float32": torch.float32})
 post = backend.post
 
 
-def jittered_post(pid, ready):
+def jittered_post(pid):
     time.sleep(rng.random() * jitter)
-    return post(pid, ready)
+    return post(pid)
 
 
 backend.post = jittered_post
