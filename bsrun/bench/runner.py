@@ -1,0 +1,271 @@
+"""The side-by-side benchmark: the same workload under each mode, on the same network.
+
+Each (model, bandwidth, mode, repeat) is one real launch, `python -m bsrun ... -np N
+python -m bsrun.bench.worker ...`, so a measurement runs exactly what a user runs. The
+modes of one model and bandwidth alternate (A B C A B C ...) so that drift on the
+machine hits all of them alike; speed is only ever reported as a ratio within one
+such group (DESIGN.md, "Measuring").
+
+This module only launches and summarises; it never imports torch, so the process that
+measures takes no CPU or memory from the workers it measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+import bsrun
+from bsrun.errors import BsrunError
+from bsrun.fsutil import atomic_write_json
+
+__all__ = ["MODES", "available_models", "run_bench"]
+
+MODES = ("ddp", "bsrun", "compute", "comm", "bound")
+PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
+TAIL_LINES = 20
+STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
+
+
+def run_timeout_s(steps: int, warmup: int) -> float:
+    """Generous: start-up plus 20 s a step; only a hung run should ever reach it."""
+    return 120.0 + 20.0 * (steps + warmup)
+
+
+def _child_env() -> dict[str, str]:
+    """The caller's environment, made able to find this bsrun from a scratch folder."""
+    env = dict(os.environ)
+    env.pop("BSRUN_ACTIVE", None)  # the launcher sets it for its own workers
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([path] if path else []))
+    return env
+
+
+@functools.cache
+def available_models() -> tuple[str, ...]:
+    """The worker's model names, asked from a child so this process stays torch-free."""
+    proc = subprocess.run([sys.executable, "-m", "bsrun.bench.worker", "--list-models"],
+                          capture_output=True, text=True, env=_child_env(), timeout=120)
+    if proc.returncode != 0:
+        raise BsrunError(f"could not list the benchmark models: {_tail(proc.stdout + proc.stderr, 1)}")
+    return tuple(proc.stdout.split())
+
+
+@dataclass
+class RunResult:
+    """One launch: its step times (rank 0) or why it failed."""
+
+    mode: str
+    step_times: list[float] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # the worker's JSON
+    launched_as: str | None = None  # what the launcher's summary says the ranks ran as
+    error: str | None = None
+
+
+def _tail(text: str, lines: int = TAIL_LINES) -> str:
+    kept = text.strip().splitlines()[-lines:]
+    return "\n".join(kept) if kept else "(no output)"
+
+
+def launch_command(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
+                   warmup: int, batch: int | None, out: Path) -> list[str]:
+    """The bsrun command line for one run; only mode `bsrun` is scheduled."""
+    cmd = [sys.executable, "-m", "bsrun", "--schedule" if mode == "bsrun" else "--no-schedule"]
+    if bandwidth is not None:
+        cmd += ["--emulate-bandwidth", bandwidth]
+    cmd += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
+            "--mode", mode, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+    if batch is not None:
+        cmd += ["--batch", str(batch)]
+    return cmd
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first, so bsrun stops its workers and removes its network; then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_once(cmd: list[str], mode: str, cwd: Path, out: Path, timeout: float) -> RunResult:
+    """Launch, wait, read rank 0's result; any failure becomes RunResult.error."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_child_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        output, _ = proc.communicate()
+        return RunResult(mode, error=f"did not finish in {timeout:.0f} s and was stopped\n{_tail(output)}")
+    except BaseException:  # Ctrl-C: let bsrun tear down before the caller sees it
+        _stop(proc)
+        raise
+    if proc.returncode != 0:
+        return RunResult(mode, error=f"exited with code {proc.returncode}\n{_tail(output)}")
+    try:
+        info = json.loads(out.read_text())
+        times = [float(t) for t in info["step_times"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return RunResult(mode, error=f"left no valid result in {out} ({e})\n{_tail(output)}")
+    return RunResult(mode, times, info, _launched_as(cwd))
+
+
+def _launched_as(cwd: Path) -> str | None:
+    """'scheduled', 'fallback' or 'off', from the summary bsrun leaves in its folder."""
+    try:
+        ranks = json.loads((cwd / ".bsrun" / "last-run.json").read_text())["ranks"]
+        return "/".join(sorted({r.get("mode", "unknown") for r in ranks}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
+              runs: list[RunResult], modes: list[str]) -> list[dict]:
+    """One record per mode: medians over all steps of all repeats, ratios within the group.
+
+    spread is [min, max] of the per-repeat medians: how far one run can land from
+    another, which is what decides whether a ratio is real.
+    """
+    medians: dict[str, float] = {}
+    records = []
+    for mode in modes:
+        ok = [r for r in runs if r.mode == mode and r.error is None]
+        failed = [r for r in runs if r.mode == mode and r.error is not None]
+        times = [t for r in ok for t in r.step_times]
+        per_repeat = [statistics.median(r.step_times) for r in ok]
+        median = statistics.median(times) if times else None
+        if median is not None:
+            medians[mode] = median
+        info = ok[0].info if ok else {}
+        records.append({
+            "model": model, "bandwidth": bandwidth, "mode": mode, "world_size": nproc,
+            "batch": info.get("batch"), "params": info.get("params"),
+            "grad_bytes": info.get("grad_bytes"),
+            "median_step_s": median,
+            "spread": [min(per_repeat), max(per_repeat)] if per_repeat else None,
+            "per_repeat_median_s": per_repeat,
+            "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
+            "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
+            "errors": [r.error.splitlines()[0] for r in failed],
+        })
+    for rec in records:
+        m = rec["median_step_s"]
+        rec["speedup_vs_ddp"] = medians["ddp"] / m if m is not None and "ddp" in medians else None
+        rec["efficiency"] = medians["bound"] / m if m is not None and "bound" in medians else None
+    return records
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def bench_table(model: str, records: list[dict]) -> Table:
+    """One table per model; rows are bandwidth x mode."""
+    first = next((r for r in records if r["params"] is not None), records[0])
+    title = model
+    if first["params"] is not None:
+        title += (f": {first['params'] / 1e6:.2f}M params, {first['grad_bytes'] / 1e6:.1f} MB "
+                  f"of gradients, batch {first['batch']} per rank, {first['world_size']} ranks")
+    table = Table(title=title, caption="step: median over all timed steps of all repeats; "
+                  "spread: min-max of per-repeat medians; efficiency: bound / mode")
+    for col in ("bandwidth", "mode", "step (s)", "spread (s)", "vs ddp", "efficiency", "repeats"):
+        table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
+    for r in records:
+        spread = "-" if r["spread"] is None else f"{r['spread'][0]:.4g}-{r['spread'][1]:.4g}"
+        repeats = f"{r['repeats']}/{r['repeats'] + r['failed_repeats']}"
+        speedup = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
+        table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
+                      spread, speedup, _fmt(r["efficiency"], ".2f"), repeats)
+    return table
+
+
+def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch) -> None:
+    """Every bad argument ends here in one sentence, before anything is launched."""
+    bad_modes = [m for m in modes if m not in MODES]
+    if bad_modes or not modes:
+        raise BsrunError(f"unknown mode(s) {', '.join(bad_modes) or '(none given)'}; "
+                         f"choose from {', '.join(MODES)}")
+    if nproc < 1 or steps < 1 or repeat < 1 or warmup < 0 or (batch is not None and batch < 1):
+        raise BsrunError("-np, steps, repeat and batch must be at least 1, warmup at least 0")
+    if any(b is not None for b in bandwidths):
+        from bsrun.launch import netem
+
+        for b in bandwidths:
+            if b is not None:
+                netem.parse_rate(b, option="--bandwidth")
+        if os.geteuid() != 0:
+            raise BsrunError("benchmarking on an emulated network needs root (network "
+                             "namespaces and tc); run as root or leave the bandwidth out")
+    known = available_models()
+    unknown = [m for m in models if m not in known]
+    if unknown or not models:
+        raise BsrunError(f"unknown model(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(known)}")
+
+
+def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes: list[str],
+              steps: int, warmup: int, repeat: int, batch: int | None, json_path: str | None,
+              console) -> list[dict]:
+    """Run every model x bandwidth x mode `repeat` times; print tables; return the records.
+
+    A failed run is reported with the tail of its output and the benchmark goes on. The
+    JSON file (`{"results": [...]}`) is rewritten after every model and bandwidth, so an
+    interrupted benchmark keeps what it measured.
+    """
+    models, modes, bandwidths = list(models), list(modes), list(bandwidths) or [None]
+    _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch)
+    timeout = run_timeout_s(steps, warmup)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bsrun-bench-") as scratch:
+        # Runs happen in a scratch folder: their .bsrun/ summaries do not overwrite the
+        # user's, and no committed tuned config changes what is measured.
+        cwd = Path(scratch)
+        for model in models:
+            model_records = []
+            for bandwidth in bandwidths:
+                label = bandwidth or "loopback"
+                runs = []
+                for rep in range(repeat):
+                    for mode in modes:
+                        out = cwd / f"{model}-{label}-{mode}-{rep}.json"
+                        cmd = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out)
+                        with console.status(f"{model} {label} {mode} ({rep + 1}/{repeat})"):
+                            run = run_once(cmd, mode, cwd, out, timeout)
+                        runs.append(run)
+                        _report_run(console, model, label, rep, repeat, run)
+                group = summarise(model, bandwidth, nproc, steps, runs, modes)
+                model_records += group
+                results += group
+                if json_path:
+                    atomic_write_json(Path(json_path), {"results": results})
+            console.print(bench_table(model, model_records))
+            for rec in model_records:
+                if rec["mode"] == "bsrun" and rec["launched_as"] not in ([], ["scheduled"]):
+                    console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
+                                  f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)
+    return results
+
+
+def _report_run(console, model: str, label: str, rep: int, repeat: int, run: RunResult) -> None:
+    where = f"{model} {label} {run.mode} ({rep + 1}/{repeat})"
+    if run.error is None:
+        console.print(f"{where}: median step {statistics.median(run.step_times):.3f} s", highlight=False)
+        return
+    first, _, tail = run.error.partition("\n")
+    console.print(f"[bold red]{where} failed[/bold red]: {first}", highlight=False)
+    if tail:
+        console.print(tail, markup=False, highlight=False)

@@ -1,0 +1,168 @@
+"""One benchmark run on one rank: an ordinary DDP training script plus its two bounds.
+
+    python -m bsrun.bench.worker --model vgg16 --mode ddp --steps 8 --warmup 3 --out r.json
+
+Started by `bsrun -np N` (which sets the torchrun variables). Modes:
+
+- ddp, bsrun: the same plain DDP loop; the launcher decides whether it is scheduled
+  (`bsrun --no-schedule` leaves DDP as it is), so the script is the unmodified user's;
+- compute: the same model and loop without DDP and without any communication;
+- comm: only communication: the gradients' sizes, bucketed as DDP buckets them,
+  all-reduced every step;
+- bound: compute and comm at once in two threads with no dependency between them, each
+  step ending when both are done: the best any overlap can do on this machine, including
+  the CPU that communication takes from computation.
+
+Each step's time is the time between consecutive step ends on rank 0 after a barrier;
+no barrier inside the timed steps (one would add a synchronisation plain training does
+not have). With scheduling a step can end while its communication is still in flight;
+the next step's forward waits for it, so consecutive step ends still count all the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from bsrun.bench import models
+from bsrun.bench.runner import MODES
+from bsrun.fsutil import atomic_write_json
+
+# DDP's defaults (torch 2.13): the first bucket holds 1 MiB so communication starts
+# early, the others 25 MiB; buckets are filled in reverse parameter order.
+FIRST_BUCKET_BYTES = 1024 * 1024
+BUCKET_BYTES = 25 * 1024 * 1024
+LR = 1e-3
+
+
+def ddp_buckets(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat gradient-sized buffer per DDP bucket, in the order DDP sends them."""
+    sizes, current = [], 0
+    for p in reversed(params):
+        current += p.numel()
+        if current * p.element_size() >= (FIRST_BUCKET_BYTES if not sizes else BUCKET_BYTES):
+            sizes.append(current)
+            current = 0
+    if current:
+        sizes.append(current)
+    return [torch.zeros(n, dtype=params[0].dtype) for n in sizes]
+
+
+class Comm:
+    """All-reduce every bucket asynchronously, as DDP's reducer issues them, then wait."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.buckets = ddp_buckets(params)
+        self.world = dist.get_world_size()
+
+    def step(self) -> None:
+        works = []
+        for buf in self.buckets:
+            buf.div_(self.world)  # DDP's default hook averages before the all-reduce
+            works.append(dist.all_reduce(buf, async_op=True))
+        for w in works:
+            w.wait()
+
+
+class Compute:
+    """forward + backward + SGD step of the model, no communication."""
+
+    def __init__(self, name: str, model: torch.nn.Module, batch):
+        self.name, self.model, (self.x, self.y) = name, model, batch
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        models.loss(self.name, self.model(self.x), self.y).backward()
+        self.opt.step()
+
+
+class Bound:
+    """Compute on this thread and communication on another, both independent."""
+
+    def __init__(self, compute: Compute, comm: Comm):
+        self.compute, self.comm = compute, comm
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-comm")
+
+    def step(self) -> None:
+        pending = self.pool.submit(self.comm.step)
+        self.compute.step()
+        pending.result()
+
+
+def make_stepper(name: str, mode: str, model: torch.nn.Module, batch):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if mode in ("ddp", "bsrun"):
+        # Looked up at call time: under scheduling bsrun has replaced this class.
+        return Compute(name, torch.nn.parallel.DistributedDataParallel(model), batch)
+    if mode == "compute":
+        return Compute(name, model, batch)
+    if mode == "comm":
+        return Comm(params)
+    return Bound(Compute(name, model, batch), Comm(params))
+
+
+def timed_steps(stepper, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        stepper.step()
+    dist.barrier()  # all ranks start timing together
+    times, last = [], time.perf_counter()
+    for _ in range(steps):
+        stepper.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bsrun.bench.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    p.add_argument("--model")
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--batch", type=int, default=None, help="per-rank batch (default: the model's)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not a.list_models:
+        missing = [f"--{k}" for k in ("model", "mode", "out") if getattr(a, k) is None]
+        if missing:
+            p.error(f"{', '.join(missing)} required")
+        if a.model not in models.MODELS:
+            p.error(f"unknown model {a.model!r}; choose from {', '.join(models.MODELS)}")
+        if a.steps < 1 or a.warmup < 0 or (a.batch is not None and a.batch < 1):
+            p.error("--steps and --batch must be at least 1, --warmup at least 0")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.list_models:
+        print(" ".join(models.MODELS))
+        return 0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same initial model everywhere, as after DDP's broadcast
+    model = models.build(a.model)
+    batch = a.batch or models.default_batch(a.model)
+    data = models.make_batch(a.model, batch, torch.Generator().manual_seed(1 + rank))
+    stepper = make_stepper(a.model, a.mode, model, data)
+    times = timed_steps(stepper, a.steps, a.warmup)
+    if rank == 0:
+        atomic_write_json(a.out, {
+            "model": a.model, "mode": a.mode, "batch": batch, "world_size": dist.get_world_size(),
+            "step_times": times, "params": models.param_count(model),
+            "grad_bytes": models.grad_bytes(model)})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
