@@ -108,7 +108,7 @@ KNOBS: tuple[Knob, ...] = (
          "schedule gradient communication; --no-schedule runs the same launch as the baseline"),
     Knob("partition", "--partition", "BSRUN_PARTITION", parse_size, "4MiB",
          "largest piece of gradient sent in one collective (4MB, 512KiB, bytes)"),
-    Knob("credit", "--credit", "BSRUN_CREDIT", parse_credit, "4x",
+    Knob("credit", "--credit", "BSRUN_CREDIT", parse_credit, "2x",
          "most bytes in flight at once (16MB) or a multiple of the partition (4x)"),
     Knob("timeout", "--timeout", "BSRUN_TIMEOUT", parse_seconds, "300",
          "seconds a collective may take before the job is ended as hung"),

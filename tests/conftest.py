@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,30 @@ def run_bsrun(args, cwd, timeout=120, env=None, check=False):
         raise AssertionError(f"bsrun {args} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
                              f"--- stderr\n{proc.stderr}")
     return proc
+
+
+def start_bsrun(args, cwd):
+    """bsrun in the background, for tests that signal it."""
+    return subprocess.Popen([sys.executable, "-m", "bsrun", *map(str, args)], cwd=cwd, env=bsrun_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def signal_when(proc, ready, signum, what, settle=0.0, timeout=30):
+    """Send `signum` to bsrun once ready() holds (then `settle` s); return (exit code, stderr)."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready(), f"{what} did not happen within {timeout} s"
+        time.sleep(settle)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
 
 
 def last_run(cwd) -> dict:

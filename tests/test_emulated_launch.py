@@ -3,12 +3,10 @@
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import WORKERS, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, last_run, run_bsrun, signal_when, start_bsrun
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
@@ -30,22 +28,11 @@ def test_ddp_across_two_emulated_hosts(workdir):
 
 
 def test_sigterm_during_an_emulated_run_removes_the_network(workdir):
-    proc = subprocess.Popen([sys.executable, "-m", "bsrun", "--grace", "2", "--emulate-bandwidth", "500mbit",
-                             "-np", "2", "python", "-c", "import time; time.sleep(60)"],
-                            cwd=workdir, env=bsrun_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(bsrun_namespaces()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(bsrun_namespaces()) == 2, "the emulated hosts did not come up"
-        time.sleep(1.5)  # past the rate check, workers running
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, err
+    proc = start_bsrun(["--grace", 2, "--emulate-bandwidth", "500mbit", "-np", 2, "python", "-c",
+                        "import time; time.sleep(60)"], workdir)
+    code, err = signal_when(proc, lambda: len(bsrun_namespaces()) == 2, signal.SIGTERM,
+                            "the emulated hosts coming up", settle=1.5)  # past the rate check
+    assert code == 143, err
     assert bsrun_namespaces() == []
 
 

@@ -1,18 +1,15 @@
 """The launcher's promises (issue: run unmodified training scripts under bsrun)."""
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import WORKERS, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, bsrun_env, last_run, run_bsrun, signal_when, start_bsrun
 
 
 def read_env(folder, rank):
@@ -34,8 +31,8 @@ def wait_gone(pids, timeout=5.0):
 
 
 def test_each_rank_sees_the_torchrun_environment(workdir):
-    proc = run_bsrun(["-np", 2, "--partition", "2MB", "python", WORKERS / "envdump.py", workdir, "--x", "1"],
-                     cwd=workdir, env=bsrun_env(OMP_NUM_THREADS=None), check=True)
+    run_bsrun(["-np", 2, "--partition", "2MB", "python", WORKERS / "envdump.py", workdir, "--x", "1"],
+              cwd=workdir, env=bsrun_env(OMP_NUM_THREADS=None), check=True)
     envs = [read_env(workdir, r) for r in (0, 1)]
     for rank, env in enumerate(envs):
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
@@ -74,21 +71,10 @@ def test_a_failing_rank_ends_the_job_with_its_exit_code(workdir):
 
 
 def test_ctrl_c_tears_everything_down(workdir):
-    proc = subprocess.Popen([sys.executable, "-m", "bsrun", "-np", "2", "--grace", "2", "python",
-                             str(WORKERS / "fail_or_sleep.py"), str(workdir), "99"],
-                            cwd=workdir, env=bsrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while len(pids_in(workdir)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(pids_in(workdir)) == 4, "workers did not start"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
+    proc = start_bsrun(["-np", 2, "--grace", 2, "python", WORKERS / "fail_or_sleep.py", workdir, 99], workdir)
+    code, err = signal_when(proc, lambda: len(pids_in(workdir)) == 4, signal.SIGINT,
+                            "workers and grandchildren starting")
+    assert code == 130, err
     assert "stopped by SIGINT" in err
     assert wait_gone(pids_in(workdir)) == []
 

@@ -309,5 +309,9 @@ class ModelRuntime:
                 "negotiations": stats.get("negotiations", 0)}
 
     def close(self) -> None:
+        """Stop the scheduler's threads and take the hooks off the model."""
         if self.scheduler is not None:
             self.scheduler.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []  # its counters stay in RUNTIMES for the run report

@@ -5,7 +5,6 @@ comm thread sleeps randomly before each post); rank 0 checks that both ranks iss
 same collectives in the same order and that every partition holds the right average.
 """
 import json
-import os
 import random
 import sys
 import threading

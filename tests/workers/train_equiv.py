@@ -5,7 +5,6 @@ scheduled run with a plain-DDP run of the same script.
 """
 
 import argparse
-import os
 import random
 import time
 
