@@ -5,6 +5,8 @@ Each case runs the same script twice on 2 real gloo ranks, under `bsrun` and und
 model and optimizer state with allclose(rtol=1e-5).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -79,3 +81,14 @@ def test_random_per_rank_delays_neither_hang_nor_change_the_result(workdir):
                           ["--partition", "4KiB", "--credit", "3x"])
     assert run["ranks"][0]["rounds"] == 100
     assert_same_state(jittered, steady)
+
+
+@pytest.mark.slow
+def test_synchronize_makes_reads_after_step_see_the_update(workdir):
+    script = WORKERS / "read_after_step.py"
+    runs = {}
+    for name, flags in (("plain", ["--no-schedule"]), ("sched", ["--partition", "256"])):
+        out = workdir / f"{name}.json"
+        run_bsrun([*flags, "-np", 2, "python", script, out, "--synchronize"], cwd=workdir, check=True)
+        runs[name] = json.loads(out.read_text())
+    assert runs["sched"] == pytest.approx(runs["plain"], rel=1e-6)

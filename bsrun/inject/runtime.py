@@ -243,8 +243,10 @@ class ModelRuntime:
         if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
             return
         self.wait_for(indices)
-        self.apply_updates([i for i in indices if i in self.pending])
-        for i in indices:
+        with self.cv:  # with these, every other update that is ready: one optimizer call, not many
+            ready = [i for i in self.pending if not self.in_flight(i)]
+        self.apply_updates(ready)
+        for i in ready + list(indices):
             if i in self.deferred_zero:
                 optim.zero_param_grad(self.params[i], self.deferred_zero.pop(i))
 
