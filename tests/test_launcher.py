@@ -3,6 +3,8 @@
 import json
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -168,3 +170,14 @@ def test_run_summary_is_kept_per_run_and_as_last_run(workdir):
         assert rank["partitions"] >= 3 and rank["bytes"] > 0 and rank["exit_code"] == 0
     assert {r["mode"] for r in last_run(workdir)["ranks"]} == {"off"}
     assert not list((workdir / ".bsrun").glob(".reports-*")), "per-rank report folders are removed"
+
+
+def test_the_launcher_does_not_import_torch(workdir):
+    """Start-up stays fast: torch is imported by the workers that need it, never by bsrun."""
+    (workdir / "x.py").write_text("print('ok')\n")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "bsrun", "-np", "1", "python", "x.py"],
+                          cwd=workdir, env=bsrun_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout
+    imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert "bsrun.cli" in imported, "the import trace must cover bsrun itself"
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]

@@ -78,22 +78,23 @@ class NetemError(BsrunError):
 # ---------------------------------------------------------------- parsing
 
 
+def _parse_quantity(text, units: dict[str, float], option: str, examples: str) -> float:
+    """A number with one of `units`, or NetemError naming the option and the value."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    match = _NUMBER_UNIT_RE.match(text.lower()) if isinstance(text, str) else None
+    if not match or match.group(2) not in units:
+        raise NetemError(f"{option} must be {examples}, got {text!r}")
+    return float(match.group(1)) * units[match.group(2)]
+
+
 def parse_rate(text: str | int, option: str = "--emulate-bandwidth") -> int:
     """Parse a tc-style rate ('3gbit', '500mbit', '100kbit', '2000000') to bit/s.
 
     Only the bit forms are accepted: tc reads 'bps' as *bytes* per second,
     which is a classic factor-8 mistake, so it is refused rather than guessed.
     """
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    if not isinstance(text, str):
-        raise NetemError(f"{option} must be a rate such as 3gbit, got {text!r}")
-    match = _NUMBER_UNIT_RE.match(text.lower())
-    if not match or match.group(2) not in _UNITS_RATE:
-        raise NetemError(
-            f"{option} must be a rate such as 3gbit, 500mbit or 100kbit, got {text!r}"
-        )
-    bits = float(match.group(1)) * _UNITS_RATE[match.group(2)]
+    bits = _parse_quantity(text, _UNITS_RATE, option, "a rate such as 3gbit, 500mbit or 100kbit")
     if bits < 1:
         raise NetemError(f"{option} must be a positive rate such as 3gbit, got {text!r}")
     return int(round(bits))
@@ -105,14 +106,9 @@ def parse_latency(text: str, option: str = "--emulate-latency") -> float:
     A unit is required: tc reads a bare number as microseconds, which nobody
     expects, so a bare number is refused.
     """
-    if not isinstance(text, str):
-        raise NetemError(f"{option} must be a time such as 2ms, got {text!r}")
-    match = _NUMBER_UNIT_RE.match(text.lower())
-    if not match or match.group(2) not in _UNITS_TIME:
-        raise NetemError(
-            f"{option} must be a time such as 100us, 2ms or 1s, got {text!r}"
-        )
-    return float(match.group(1)) * _UNITS_TIME[match.group(2)]
+    if isinstance(text, int):
+        raise NetemError(f"{option} must be a time such as 100us, 2ms or 1s, got {text!r}")
+    return _parse_quantity(text, _UNITS_TIME, option, "a time such as 100us, 2ms or 1s")
 
 
 # ---------------------------------------------------------------- commands
