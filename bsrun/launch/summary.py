@@ -62,7 +62,7 @@ def one_line(summary: dict) -> str:
     ranks = summary["ranks"]
     modes = sorted({r.get("mode", "unknown") for r in ranks})
     head = f"bsrun: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {summary['duration_s']:.1f} s, mode {'/'.join(modes) or 'unknown'}"
-    reported = [r for r in ranks if "steps" in r]
+    reported = [r for r in ranks if "steps" in r and r.get("mode") != "off"]
     if reported:
         r0 = min(reported, key=lambda r: r["rank"])
         head += (f"; rank {r0['rank']}: {r0['steps']} steps, {r0['partitions']} partitions, "
