@@ -77,8 +77,6 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
             netem.parse_rate(emulate_bandwidth) if emulate_bandwidth is not None else None,
             netem.parse_latency(emulate_latency) if emulate_latency is not None else None)
 
-    if nproc is not None and nproc < 1:
-        raise BsrunError(f"-np must be at least 1, got {nproc}")
     flags = {"partition": partition, "credit": credit, "timeout": timeout,
              "enabled": None if schedule is None else str(schedule)}
     signature = job_signature(list(command), nproc or 1)

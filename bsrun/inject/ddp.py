@@ -73,10 +73,10 @@ class ScheduledDDP(DistributedDataParallel):
         groups = tuple(dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
                        for _ in range(3))
         self._bsrun = runtime.ModelRuntime(module, config, groups)
-        control_group = groups[2]
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
-            runtime.broadcast_from_rank0(list(module.parameters()) + self.modules_buffers, control_group)
+            runtime.broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
+                                         self._bsrun.control_group)
         runtime.set_mode("scheduled")
 
     def forward(self, *inputs, **kwargs):

@@ -29,6 +29,12 @@ def unhooked_step(optimizer):
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
 
 
+def full_step(optimizer, closure=None):
+    """The optimizer's own step over all its parameters, hooks included."""
+    step = type(optimizer).step
+    return step(optimizer) if closure is None else step(optimizer, closure)
+
+
 def why_not_elementwise(optimizer, closure) -> str | None:
     """A reason this step needs every gradient at once, or None if per-parameter is exact."""
     if closure is not None:

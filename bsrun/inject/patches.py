@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bsrun.config import SchedConfig
-from bsrun.inject import runtime
+from bsrun.inject import optim, runtime
 
 
 def _flushing(fn, note=None):
@@ -28,7 +28,6 @@ def _flushing(fn, note=None):
                 runtime.say_once(note)
             runtime.flush_all()
         return fn(*args, **kwargs)
-    wrapper.__bsrun_original__ = fn
     return wrapper
 
 
@@ -37,7 +36,7 @@ def _scheduled_step(optimizer, closure=None):
     runtime.count_step()
     rt = runtime.runtime_of(p for g in optimizer.param_groups for p in g["params"])
     if rt is None:
-        return type(optimizer).step(optimizer, *([closure] if closure is not None else []))
+        return optim.full_step(optimizer, closure)
     return rt.optimizer_step(optimizer, closure)
 
 

@@ -231,7 +231,7 @@ class ModelRuntime:
 
     def wait_for(self, indices) -> None:
         with self.cv:
-            while self.error is None and any(self.ready[i] > self.done[i] for i in indices):
+            while self.error is None and any(self.in_flight(i) for i in indices):
                 if not self.cv.wait(timeout=self.config.timeout):
                     raise TimeoutError(f"bsrun: gradient communication made no progress for "
                                        f"{self.config.timeout:g} s")
@@ -266,21 +266,21 @@ class ModelRuntime:
 
     def optimizer_step(self, optimizer, closure):
         """Replaces `optimizer.step()`: update what is ready, leave the rest pending."""
-        mine = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self.index]
-        self.settle([self.index[id(p)] for p in mine if self.index[id(p)] in self.pending])
+        self.settle([i for g in optimizer.param_groups for p in g["params"]
+                     if (i := self.index.get(id(p))) is not None and i in self.pending])
         reason = optim.why_not_elementwise(optimizer, closure)
         if reason is not None:
             say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
             self.flush()
             if closure is None:
-                return type(optimizer).step(optimizer)
+                return optim.full_step(optimizer)
 
             def synchronised_closure():
                 loss = closure()  # its backward is scheduled; the optimizer reads grads next
                 self.flush()
                 return loss
 
-            return type(optimizer).step(optimizer, synchronised_closure)
+            return optim.full_step(optimizer, synchronised_closure)
         snapshot = optim.snapshot_groups(optimizer)
         now = []
         with self.cv:

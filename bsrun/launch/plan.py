@@ -90,10 +90,6 @@ class LaunchPlan:
     report_dir: Path | None = None  # made by the agent at launch time
     network: NetworkSpec | None = None  # emulated hosts, one per rank
 
-    @property
-    def world_size(self) -> int | None:
-        return self.nproc if self.kind == "local" else None
-
     def injection_env(self) -> dict[str, str]:
         """The environment that switches bsrun on in every Python process below."""
         env = dict(self.base_env)

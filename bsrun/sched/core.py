@@ -140,7 +140,6 @@ class Scheduler:
         issued: list[int] = []
         issued_set: set[int] = set()
         everywhere: set[int] = set()  # ready on every rank, as of the last negotiation
-        finished_everywhere = 0
         sent: list[int] | None = None
         result: list[int] | None = None
         last = 0.0
@@ -170,8 +169,7 @@ class Scheduler:
             last = time.monotonic()
             self.stats["negotiations"] += 1
             everywhere = {p for p in range(count) if result[p] >= 1}
-            finished_everywhere = result[count]
-            self._issue(round_, issued, issued_set, everywhere, finished_everywhere)
+            self._issue(round_, issued, issued_set, everywhere, finished_everywhere=result[count])
 
     def _issue(self, round_, issued, issued_set, everywhere, finished_everywhere) -> None:
         """Issue, most urgent first, what is ready everywhere and fits in the credit."""
