@@ -33,11 +33,11 @@ def _flushing(fn, note=None):
 
 def _scheduled_step(optimizer, closure=None):
     """Instance-level step(): LR schedulers wrap it as they wrap any bound step."""
-    runtime.count_step()
+    number = runtime.count_step()
     rt = runtime.runtime_of(p for g in optimizer.param_groups for p in g["params"])
-    if rt is None:
-        return optim.full_step(optimizer, closure)
-    return rt.optimizer_step(optimizer, closure)
+    result = optim.full_step(optimizer, closure) if rt is None else rt.optimizer_step(optimizer, closure)
+    runtime.step_finished(number)
+    return result
 
 
 def _patch_optimizer() -> None:

@@ -31,6 +31,7 @@ from bsrun.sched.torch_backend import TorchDistBackend
 RUNTIMES: "weakref.WeakSet[ModelRuntime]" = weakref.WeakSet()
 _NOTES: list[str] = []
 _COUNTS = {"mode": "off", "steps": 0}
+STEP_LISTENERS: list = []  # callables(step_number), run after each optimizer step() returns
 
 
 def say_once(message: str) -> None:
@@ -49,8 +50,16 @@ def set_mode(mode: str) -> None:
         _COUNTS["mode"] = mode
 
 
-def count_step() -> None:
+def count_step() -> int:
+    """Called at each optimizer step(); returns its number (1 for the first)."""
     _COUNTS["steps"] += 1
+    return _COUNTS["steps"]
+
+
+def step_finished(number: int) -> None:
+    """After step() number `number` returned to the script's side of bsrun."""
+    for listener in list(STEP_LISTENERS):
+        listener(number)
 
 
 def counters() -> dict:
