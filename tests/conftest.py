@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -60,8 +61,29 @@ def signal_when(proc, ready, signum, what, settle=0.0, timeout=30):
     return proc.returncode, err
 
 
+def bsrun_namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("bsrun-")]
+
+
 def last_run(cwd) -> dict:
     return json.loads((Path(cwd) / ".bsrun" / "last-run.json").read_text())
+
+
+def assert_same_state(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-8), \
+            f"{path} differs: max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{path} keys differ: {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path} lengths differ"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{path}[{k}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.fixture

@@ -2,19 +2,13 @@
 
 import os
 import signal
-import subprocess
 
 import pytest
 
-from conftest import WORKERS, last_run, run_bsrun, signal_when, start_bsrun
+from conftest import WORKERS, bsrun_namespaces, last_run, run_bsrun, signal_when, start_bsrun
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")]
-
-
-def bsrun_namespaces():
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("bsrun-")]
 
 
 def test_ddp_across_two_emulated_hosts(workdir):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import WORKERS, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, last_run, run_bsrun
 
 SCRIPT = WORKERS / "train_equiv.py"
 
@@ -20,22 +20,6 @@ def train(workdir, name, script_args, bsrun_args=()):
     run_bsrun([*bsrun_args, "-np", 2, "python", SCRIPT, *script_args, "--out", out],
               cwd=workdir, check=True)
     return torch.load(out), last_run(workdir)
-
-
-def assert_same_state(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-8), \
-            f"{path} differs: max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{path} keys differ: {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_same_state(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path} lengths differ"
-        for k, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{path}[{k}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 CASES = {

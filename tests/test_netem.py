@@ -98,7 +98,7 @@ def test_without_root_it_says_so(monkeypatch):
 
 
 def test_bad_host_count_is_one_sentence():
-    with pytest.raises(NetemError, match="1 to 254 hosts"):
+    with pytest.raises(NetemError, match="1 to 253 hosts"):
         EmulatedNetwork(0, None)
 
 

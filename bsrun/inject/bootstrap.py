@@ -76,6 +76,14 @@ def _install_torch_patches(_torch):
     debug("torch patches installed")
 
 
+def _install_horovod_patches(_hvd_torch):
+    """After horovod.torch has fully executed (torch, and so our torch patches, came first)."""
+    from bsrun.inject import horovod
+
+    horovod.install()
+    debug("horovod patches installed")
+
+
 def start():
     rank = worker_rank()
     if rank is None or worker_setting(WORKER_PID_ENV):
@@ -83,6 +91,7 @@ def start():
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     debug(f"bootstrap in pid {os.getpid()}")
     when_imported("torch", _install_torch_patches)
+    when_imported("horovod.torch", _install_horovod_patches)
     from bsrun.inject import report
 
     atexit.register(report.write_rank_report, rank)

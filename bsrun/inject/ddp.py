@@ -20,6 +20,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
 from bsrun.inject import runtime
+from bsrun.sched.torch_backend import TorchDistBackend
 
 _SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
 _UNSUPPORTED_ARGS = ("device_ids", "output_device", "mixed_precision", "device_mesh",
@@ -46,6 +47,43 @@ def fallback_reason(module: torch.nn.Module, args: dict) -> str | None:
     return None
 
 
+def broadcast_from_rank0(tensors, group) -> None:
+    """Rank 0's values into every rank's tensors, one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class TorchTransport:
+    """A model's ranks over three gloo groups of their own: gradient bytes and
+    negotiations (both used only by the scheduler's threads) and the training thread's
+    collectives (order, buffer broadcasts), so no two threads ever share a group."""
+
+    def __init__(self, ranks: list[int], timeout: timedelta):
+        self.data_group, self.negotiation_group, self.control_group = (
+            dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+            for _ in range(3))
+
+    def agree_order(self, order: list[int]) -> list[int]:
+        tensor = torch.tensor(order, dtype=torch.int64)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
+        return tensor.tolist()
+
+    def backend(self, partitions, grad_of, dtypes) -> TorchDistBackend:
+        return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes)
+
+    def credit(self, credit_bytes: int) -> int:
+        return credit_bytes
+
+
 class ScheduledDDP(DistributedDataParallel):
     def __init__(self, *args, **kwargs):
         bound = _SIGNATURE.bind(self, *args, **kwargs)
@@ -68,21 +106,19 @@ class ScheduledDDP(DistributedDataParallel):
                                      else a["broadcast_buffers"] if a["broadcast_buffers"] is not None
                                      else True)
         config = SchedConfig.from_env()
-        ranks = dist.get_process_group_ranks(self.process_group)
-        timeout = timedelta(seconds=config.timeout)
-        groups = tuple(dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-                       for _ in range(3))
-        self._bsrun = runtime.ModelRuntime(module, config, groups)
+        self._bsrun_transport = TorchTransport(dist.get_process_group_ranks(self.process_group),
+                                               timedelta(seconds=config.timeout))
+        self._bsrun = runtime.ModelRuntime(module.parameters(), module.modules(), config, self._bsrun_transport)
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
-            runtime.broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
-                                         self._bsrun.control_group)
+            broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
+                                 self._bsrun_transport.control_group)
         runtime.set_mode("scheduled")
 
     def forward(self, *inputs, **kwargs):
         if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
             self.modules_buffers = list(self.module.buffers())
-            runtime.broadcast_from_rank0(self.modules_buffers, self._bsrun.control_group)
+            broadcast_from_rank0(self.modules_buffers, self._bsrun_transport.control_group)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._bsrun.sync_backward = sync
         output = self.module(*inputs, **kwargs)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from bsrun.inject import optim
-from bsrun.sched.core import Scheduler
+from bsrun.inject.bootstrap import worker_rank
+from bsrun.sched.core import CommBackend, Scheduler
 from bsrun.sched.partition import TensorInfo, plan_partitions
-from bsrun.sched.torch_backend import TorchDistBackend
 
 RUNTIMES: "weakref.WeakSet[ModelRuntime]" = weakref.WeakSet()
 _NOTES: list[str] = []
@@ -38,8 +38,7 @@ def say_once(message: str) -> None:
     """A note users see once per run (and in the run summary)."""
     if message not in _NOTES:
         _NOTES.append(message)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
+        if (worker_rank() or 0) == 0:
             print(f"bsrun: {message}", file=sys.stderr, flush=True)
 
 
@@ -88,34 +87,33 @@ def close_all() -> None:
         rt.close()
 
 
-def broadcast_from_rank0(tensors, group) -> None:
-    """Rank 0's values into every rank's tensors, one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+class Transport(Protocol):
+    """How one model's ranks talk (torch.distributed groups, or Horovod)."""
+
+    def agree_order(self, order: list[int]) -> list[int]:
+        """Rank 0's priority order, on every rank (a collective of the training thread)."""
+
+    def backend(self, partitions, grad_of, dtypes) -> CommBackend:
+        """The scheduler's backend for these partitions."""
+
+    def credit(self, credit_bytes: int) -> int:
+        """The credit this rank's scheduler keeps to."""
 
 
 class ModelRuntime:
-    """Scheduling state of one wrapped model."""
+    """Scheduling state of one model's parameters."""
 
-    def __init__(self, module: torch.nn.Module, config, groups):
-        """`groups`: three process groups of the model's ranks, for gradient bytes,
-        negotiations (both used only by the scheduler's threads) and the training
-        thread's own collectives (buffer broadcasts), so no two threads share one."""
-        self.module = module
+    def __init__(self, params, modules, config, transport: Transport, passes_per_sync: int = 1):
+        """`modules`: those whose forward uses `params` (their pre-hooks are the dependency
+        proxy); `passes_per_sync`: backward passes accumulated locally per communication
+        (Horovod's backward_passes_per_step)."""
         self.config = config
-        self.data_group, self.negotiation_group, self.control_group = groups
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.transport = transport
+        self.passes_per_sync = passes_per_sync
+        self.params = [p for p in params if p.requires_grad]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         n = len(self.params)
+        self.accumulated = [0] * n     # backward passes since the last communication
         self.ready = [0] * n           # rounds in which the grad hook fired
         self.done = [0] * n            # rounds whose communication finished
         self.grads: list[torch.Tensor | None] = [None] * n
@@ -130,13 +128,13 @@ class ModelRuntime:
         self.scheduler: Scheduler | None = None
         self._seen_this_backward: set[int] = set()
         self._handles = []
-        self._register_hooks()
+        self._register_hooks(modules)
         RUNTIMES.add(self)
 
     # --- hooks ------------------------------------------------------------------------
 
-    def _register_hooks(self) -> None:
-        for module in self.module.modules():
+    def _register_hooks(self, modules) -> None:
+        for module in modules:
             owned = sorted({self.index[id(p)] for p in module._parameters.values()
                             if p is not None and id(p) in self.index})
             if owned:
@@ -158,15 +156,19 @@ class ModelRuntime:
     def _on_grad(self, param) -> None:
         if not self.sync_backward:
             return  # inside no_sync(): gradients accumulate locally
+        i = self.index[id(param)]
+        self.accumulated[i] += 1
+        if self.accumulated[i] < self.passes_per_sync:
+            return  # backward_passes_per_step: accumulate locally this time
         if not self._seen_this_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        i = self.index[id(param)]
         self._seen_this_backward.add(i)
         self._mark_ready(i)
 
     def _mark_ready(self, i: int) -> None:
         if self.scheduler is None:
             self._start()
+        self.accumulated[i] = 0
         param = self.params[i]
         if not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
@@ -186,10 +188,21 @@ class ModelRuntime:
         if missing:
             say_once(f"{len(missing)} parameter(s) got no gradient in a backward pass; "
                      f"bsrun all-reduces zeros for them (DDP would need find_unused_parameters=True)")
+            self.settle(missing)  # no forward waited for them: finish their last round first
         for i in missing:
             if self.params[i].grad is None:
                 self.params[i].grad = torch.zeros_like(self.params[i])
             self._mark_ready(i)
+
+    def force_accumulated(self) -> None:
+        """Horovod's step()/synchronize() before backward_passes_per_step passes: what has
+        accumulated is communicated now (and unused parameters with zeros), as Horovod does."""
+        partial = [i for i, n in enumerate(self.accumulated) if n > 0]
+        for i in partial:
+            self._seen_this_backward.add(i)
+            self._mark_ready(i)
+        if partial:
+            self._end_of_backward()
 
     # --- layout and scheduler ------------------------------------------------------------
 
@@ -197,9 +210,7 @@ class ModelRuntime:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
         n = len(self.params)
         order = self.first_use + [i for i in range(n) if i not in self._first_use_seen]
-        order_tensor = torch.tensor(order, dtype=torch.int64)
-        dist.broadcast(order_tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
-        order = order_tensor.tolist()
+        order = self.transport.agree_order(order)
         infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
         self.partitions = plan_partitions(infos, order, self.config.partition)
         self.tensors_of = [sorted({pc.tensor for pc in part.pieces}) for part in self.partitions]
@@ -209,11 +220,11 @@ class ModelRuntime:
             for pc in part.pieces:
                 self.partitions_of[pc.tensor].append(part.pid)
         self.parts_left = [len(ps) for ps in self.partitions_of]
-        backend = TorchDistBackend(self.data_group, self.negotiation_group, self.partitions,
-                                   lambda i: self.grads[i],
-                                   {str(p.dtype): p.dtype for p in self.params})
+        backend = self.transport.backend(self.partitions, lambda i: self.grads[i],
+                                         {str(p.dtype): p.dtype for p in self.params})
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
-                                   self.config.credit_bytes, self._on_partition_done, self._on_error)
+                                   self.transport.credit(self.config.credit_bytes),
+                                   self._on_partition_done, self._on_error)
 
     def _on_partition_done(self, pid: int) -> None:  # comm thread
         finished = []
@@ -275,6 +286,8 @@ class ModelRuntime:
 
     def optimizer_step(self, optimizer, closure):
         """Replaces `optimizer.step()`: update what is ready, leave the rest pending."""
+        if self.passes_per_sync > 1:
+            self.force_accumulated()
         self.settle([i for g in optimizer.param_groups for p in g["params"]
                      if (i := self.index.get(id(p))) is not None and i in self.pending])
         reason = optim.why_not_elementwise(optimizer, closure)

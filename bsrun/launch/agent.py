@@ -5,6 +5,7 @@ The one place that owns a launch from start to exit code, as torchrun's agent do
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 from bsrun.launch import summary
+from bsrun.launch.horovod import horovod_installed, rendezvous_for
 from bsrun.launch.plan import LaunchPlan
 from bsrun.launch.workers import GroupResult, WorkerGroup
 
@@ -83,13 +85,21 @@ def launch(plan: LaunchPlan) -> int:
         return 128 + e.signum
 
 
+def _horovod_rendezvous(plan: LaunchPlan, net):
+    """Horovod's rendezvous for the workers bsrun starts itself, when Horovod is installed."""
+    if plan.kind != "local" or plan.nproc < 2 or not horovod_installed():
+        return contextlib.nullcontext()
+    return rendezvous_for(plan.nproc, net)
+
+
 def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
     plan.report_dir = new_report_dir()
-    group = WorkerGroup(plan.worker_specs(net), grace=plan.grace)
-    started = time.time()
-    stop.group = group
-    group.start()
-    result = group.wait()
+    with _horovod_rendezvous(plan, net) as horovod:
+        group = WorkerGroup(plan.worker_specs(net, horovod), grace=plan.grace)
+        started = time.time()
+        stop.group = group
+        group.start()
+        result = group.wait()
     ended = time.time()
     reports = summary.read_rank_reports(plan.report_dir)
     shutil.rmtree(plan.report_dir, ignore_errors=True)

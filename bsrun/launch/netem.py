@@ -13,7 +13,9 @@ can be found and removed by `cleanup_stale`):
     veth, bridge side   bsrv<pid>x<i>   (its peer is `eth0` inside namespace i)
 
 Nothing else on the host is touched: no global sysctl, no existing interface.
-Host i gets 198.18.0.(i+1)/24 (the RFC 2544 benchmark range) on its `eth0`.
+Host i gets 198.18.0.(i+1)/24 (the RFC 2544 benchmark range) on its `eth0`; the
+bridge gets 198.18.0.254, so that servers of the launcher (Horovod's rendezvous) are
+reachable from every host.
 
 This kernel offers tbf but not netem (CONFIG_NET_SCH_NETEM is off here), so a
 requested latency is only honoured where netem exists; otherwise it is a
@@ -48,7 +50,8 @@ __all__ = [
 SUBNET_PREFIX = "198.18.0."
 PREFIX_LEN = 24
 IFNAME = "eth0"
-MAX_HOSTS = 254  # .1 .. .254 in one /24
+MAX_HOSTS = 253  # .1 .. .253 in one /24
+GATEWAY_ADDR = SUBNET_PREFIX + "254"  # the bridge: the launcher's own address on the network
 IFNAMSIZ = 15  # usable characters in a Linux interface name
 
 # tbf: the bucket must hold at least one GSO super-packet (up to 64 KiB), or
@@ -339,6 +342,7 @@ class EmulatedNetwork:
         """The switch in the root namespace that every host's link plugs into."""
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self._created.append(("link", self.bridge))
+        _run("ip", "addr", "add", f"{GATEWAY_ADDR}/{PREFIX_LEN}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
 
     def _create_host(self, host: EmulatedHost) -> None:
@@ -389,6 +393,11 @@ class EmulatedNetwork:
     def master_addr(self) -> str:
         """Rendezvous address: host 0."""
         return self.hosts[0].addr
+
+    @property
+    def gateway_addr(self) -> str:
+        """The launcher's address as the hosts see it (the bridge's)."""
+        return GATEWAY_ADDR
 
     def wrap(self, index: int, argv: list[str]) -> list[str]:
         """The command line that runs argv inside host `index`'s namespace."""

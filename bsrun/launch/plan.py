@@ -113,8 +113,9 @@ class LaunchPlan:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N workers share the cores
         return env
 
-    def worker_specs(self, net=None) -> list[WorkerSpec]:
-        """One spec per process; on an emulated network `net`, each rank in its own host."""
+    def worker_specs(self, net=None, horovod=None) -> list[WorkerSpec]:
+        """One spec per process; on an emulated network `net`, each rank in its own host;
+        with a HorovodRendezvous `horovod`, Horovod's variables too."""
         if self.kind == "wrap":
             return [WorkerSpec(rank=0, argv=list(self.command), env=self.injection_env())]
         specs = []
@@ -123,6 +124,8 @@ class LaunchPlan:
             if net is not None:
                 argv = net.wrap(r, argv)
                 env.update(net.env_for(r), MASTER_ADDR=net.master_addr)
+            if horovod is not None:
+                env.update(horovod.env_for(r))
             specs.append(WorkerSpec(rank=r, argv=argv, env=env, prefix=f"[{r}] " if self.nproc > 1 else None))
         return specs
 

@@ -20,6 +20,10 @@ others are behind this rank (they will have news); otherwise never. A rank that 
 minimum everywhere is what everyone waits for, and its own progress brings its news, so
 this cannot deadlock.
 
+A backend whose transport already matches collectives across ranks (Horovod, by name)
+returns its own values from `negotiate`: then each rank decides by its own picture, and
+the backend's docstring says why that cannot deadlock.
+
 Rounds: one round is one synchronising backward pass; every partition is sent once per
 round. Readiness is counted, not flagged, so a hook of the next round can arrive before
 the current round is closed here.

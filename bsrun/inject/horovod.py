@@ -1,0 +1,132 @@
+"""Horovod: `hvd.DistributedOptimizer` hands its gradients to bsrun's scheduler.
+
+The script's own optimizer comes back, scheduled like a DDP model's: gradient hooks,
+partitions in priority order through Horovod's named asynchronous all-reduce (see
+sched/horovod_backend.py), the dependency proxy on the modules that use the parameters,
+per-layer updates. What scripts call on Horovod's optimizer keeps working:
+`synchronize()` (everything communicated and updated), `skip_synchronize()`,
+`backward_passes_per_step` and `set_backward_passes_per_step()`; `broadcast_parameters`
+and `broadcast_optimizer_state` go through the flushing state_dict and step. Where bsrun
+cannot match Horovod exactly it builds Horovod's own optimizer and says why once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import itertools
+
+import horovod.torch as hvd
+import torch
+from horovod.torch import optimizer as hvd_optimizer
+
+from bsrun.config import SchedConfig
+from bsrun.inject import runtime
+from bsrun.sched.horovod_backend import HorovodBackend
+
+_GENUINE = hvd_optimizer.DistributedOptimizer
+_SIGNATURE = inspect.signature(_GENUINE)
+_MODEL_NUMBERS = itertools.count()  # the same sequence on every rank: names Horovod can match
+
+
+def fallback_reason(params: list[torch.Tensor], modules: list[torch.nn.Module], args: dict) -> str | None:
+    """Why this optimizer must stay Horovod's, or None when bsrun can schedule it exactly."""
+    if hvd.size() == 1:
+        return "a single Horovod process"
+    if args["compression"] is not hvd.Compression.none:
+        return "gradient compression"
+    if args["op"] not in (hvd.Average, hvd.Sum):
+        return "a reduction other than Average or Sum"
+    if args["process_set"] is not hvd.global_process_set:
+        return "a process set"
+    if args["backward_passes_per_step"] < 1:
+        return "backward_passes_per_step < 1"
+    if not params:
+        return "no parameter requires a gradient"
+    if any(p.device.type != "cpu" for p in params):
+        return "parameters not on the CPU"
+    if any(getattr(m, "sparse", False) is True for m in modules):
+        return "sparse gradients"
+    named = args["named_parameters"]
+    if named is not None:
+        named = list(named)
+        args["named_parameters"] = named
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names) or not {id(p) for p in params} <= {id(v) for _, v in named}:
+            return "named_parameters that Horovod itself rejects"
+    return None
+
+
+def modules_using(params: list[torch.Tensor]) -> list[torch.nn.Module]:
+    """Every live module that holds one of `params` directly: where the pre-hooks go.
+
+    Horovod is given parameters, not the model; the modules that own them are found
+    once among the live objects.
+    """
+    ids = {id(p) for p in params}
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Module)
+            and any(id(v) in ids for v in obj._parameters.values() if v is not None)]
+
+
+class HorovodTransport:
+    def __init__(self, op, gradient_predivide_factor: float):
+        self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
+        self.op = op
+        average = op == hvd.Average
+        self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
+        self.postscale = gradient_predivide_factor if average else 1.0
+
+    def agree_order(self, order: list[int]) -> list[int]:
+        tensor = torch.tensor(order, dtype=torch.int64)
+        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.order").tolist()
+
+    def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
+        return HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
+
+    def credit(self, credit_bytes: int) -> int:
+        """Rank 0 alone holds back; the others submit all that is ready (see the backend)."""
+        return credit_bytes if hvd.rank() == 0 else 2 ** 62
+
+
+def _give_horovod_methods(optimizer, rt: runtime.ModelRuntime) -> None:
+    """The methods of Horovod's optimizer that scripts call, on the script's optimizer."""
+    def synchronize():
+        rt.force_accumulated()
+        rt.flush()
+
+    def set_backward_passes_per_step(passes: int):
+        rt.passes_per_sync = passes
+
+    optimizer.synchronize = synchronize
+    optimizer.skip_synchronize = contextlib.nullcontext
+    optimizer.set_backward_passes_per_step = set_backward_passes_per_step
+
+
+def DistributedOptimizer(*args, **kwargs):
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    optimizer = a["optimizer"]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    modules = modules_using(params)
+    reason = fallback_reason(params, modules, a)
+    if reason is not None:
+        runtime.say_once(f"not scheduling this optimizer ({reason}); it runs as Horovod's DistributedOptimizer")
+        runtime.set_mode("fallback")
+        return _GENUINE(**a)
+    if a["groups"] or a["num_groups"]:
+        runtime.say_once("Horovod's groups are replaced by bsrun's partitions (same results)")
+    rt = runtime.ModelRuntime(params, modules, SchedConfig.from_env(),
+                              HorovodTransport(a["op"], a["gradient_predivide_factor"]),
+                              passes_per_sync=a["backward_passes_per_step"])
+    _give_horovod_methods(optimizer, rt)
+    runtime.set_mode("scheduled")
+    return optimizer
+
+
+def install() -> None:
+    if not SchedConfig.from_env().enabled:
+        return
+    hvd.DistributedOptimizer = DistributedOptimizer
+    hvd_optimizer.DistributedOptimizer = DistributedOptimizer
