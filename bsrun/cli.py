@@ -157,14 +157,14 @@ def _csv(values: str) -> list[str]:
 @click.option("--bandwidth", "bandwidths", default="none", show_default=True,
               help="emulated link rate(s), comma-separated (1gbit,3gbit); 'none' = unshaped loopback; root")
 @click.option("--modes", default="ddp,bsrun,bound", show_default=True,
-              help="comma-separated, from ddp, bsrun, compute, comm, bound")
+              help="comma-separated, from ddp, bsrun, horovod, bsrun-horovod, compute, comm, bound")
 @click.option("--steps", type=int, default=10, show_default=True, help="timed steps per run")
 @click.option("--warmup", type=int, default=3, show_default=True, help="untimed steps first")
 @click.option("--repeat", type=int, default=3, show_default=True, help="runs of each mode, alternating")
 @click.option("--batch", type=int, default=None, help="per-worker batch (default: the model's)")
 @click.option("--json", "json_path", default=None, help="also write the results to this JSON file")
 def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, json_path):
-    """Side-by-side step times of DDP, bsrun and the bounds, on an emulated network."""
+    """Side-by-side step times of DDP, Horovod, bsrun and the bounds, on an emulated network."""
     from rich.console import Console
 
     from bsrun.bench.runner import run_bench
