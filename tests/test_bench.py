@@ -42,12 +42,17 @@ def check(records, saved, text, bandwidth, modes):
 
 @pytest.mark.slow
 def test_every_mode_on_loopback(tmp_path):
+    pytest.importorskip("horovod.torch", reason="the horovod modes need Horovod (scripts/install-horovod.sh)")
     records, saved, text = bench(tmp_path, [None], MODES)
     check(records, saved, text, None, MODES)
     by_mode = {r["mode"]: r for r in records}
     assert by_mode["bound"]["efficiency"] == pytest.approx(1.0)
-    assert by_mode["bsrun"]["launched_as"] == ["scheduled"]
-    assert by_mode["ddp"]["launched_as"] == ["off"]
+    assert by_mode["horovod"]["speedup_vs_horovod"] == pytest.approx(1.0)
+    for scheduled in ("bsrun", "bsrun-horovod"):
+        assert by_mode[scheduled]["launched_as"] == ["scheduled"]
+    for plain in ("ddp", "horovod"):
+        assert by_mode[plain]["launched_as"] == ["off"]
+    assert "vs horovod" in text
 
 
 @pytest.mark.root

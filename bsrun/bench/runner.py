@@ -28,10 +28,13 @@ from rich.table import Table
 import bsrun
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
+from bsrun.launch.horovod import horovod_installed
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
-MODES = ("ddp", "bsrun", "compute", "comm", "bound")
+MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound")
+SCHEDULED_MODES = ("bsrun", "bsrun-horovod")  # the others run with --no-schedule
+BASELINES = ("ddp", "horovod")  # each mode's speed is also given relative to these
 PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
 TAIL_LINES = 20
 STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
@@ -79,8 +82,8 @@ def _tail(text: str, lines: int = TAIL_LINES) -> str:
 
 def launch_command(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
                    warmup: int, batch: int | None, out: Path) -> list[str]:
-    """The bsrun command line for one run; only mode `bsrun` is scheduled."""
-    cmd = [sys.executable, "-m", "bsrun", "--schedule" if mode == "bsrun" else "--no-schedule"]
+    """The bsrun command line for one run; only the SCHEDULED_MODES are scheduled."""
+    cmd = [sys.executable, "-m", "bsrun", "--schedule" if mode in SCHEDULED_MODES else "--no-schedule"]
     if bandwidth is not None:
         cmd += ["--emulate-bandwidth", bandwidth]
     cmd += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
@@ -164,7 +167,8 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
         })
     for rec in records:
         m = rec["median_step_s"]
-        rec["speedup_vs_ddp"] = medians["ddp"] / m if m is not None and "ddp" in medians else None
+        for base in BASELINES:
+            rec[f"speedup_vs_{base}"] = medians[base] / m if m is not None and base in medians else None
         rec["efficiency"] = medians["bound"] / m if m is not None and "bound" in medians else None
     return records
 
@@ -182,14 +186,16 @@ def bench_table(model: str, records: list[dict]) -> Table:
                   f"of gradients, batch {first['batch']} per rank, {first['world_size']} ranks")
     table = Table(title=title, caption="step: median over all timed steps of all repeats; "
                   "spread: min-max of per-repeat medians; efficiency: bound / mode")
-    for col in ("bandwidth", "mode", "step (s)", "spread (s)", "vs ddp", "efficiency", "repeats"):
+    bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
+    for col in ("bandwidth", "mode", "step (s)", "spread (s)", *(f"vs {b}" for b in bases), "efficiency",
+                "repeats"):
         table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
     for r in records:
         spread = "-" if r["spread"] is None else f"{r['spread'][0]:.4g}-{r['spread'][1]:.4g}"
         repeats = f"{r['repeats']}/{r['repeats'] + r['failed_repeats']}"
-        speedup = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
+        speedups = [_fmt(r[f"speedup_vs_{b}"], ".2f") + ("x" if r[f"speedup_vs_{b}"] else "") for b in bases]
         table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
-                      spread, speedup, _fmt(r["efficiency"], ".2f"), repeats)
+                      spread, *speedups, _fmt(r["efficiency"], ".2f"), repeats)
     return table
 
 
@@ -199,6 +205,8 @@ def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch) ->
     if bad_modes or not modes:
         raise BsrunError(f"unknown mode(s) {', '.join(bad_modes) or '(none given)'}; "
                          f"choose from {', '.join(MODES)}")
+    if any(m in ("horovod", "bsrun-horovod") for m in modes) and not horovod_installed():
+        raise BsrunError("the horovod modes need Horovod; install it with scripts/install-horovod.sh")
     if nproc < 1 or steps < 1 or repeat < 1 or warmup < 0 or (batch is not None and batch < 1):
         raise BsrunError("-np, steps, repeat and batch must be at least 1, warmup at least 0")
     if any(b is not None for b in bandwidths):
@@ -254,7 +262,7 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                     atomic_write_json(Path(json_path), {"results": results})
             console.print(bench_table(model, model_records))
             for rec in model_records:
-                if rec["mode"] == "bsrun" and rec["launched_as"] not in ([], ["scheduled"]):
+                if rec["mode"] in SCHEDULED_MODES and rec["launched_as"] not in ([], ["scheduled"]):
                     console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
                                   f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)
     return results

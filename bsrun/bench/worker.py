@@ -6,6 +6,8 @@ Started by `bsrun -np N` (which sets the torchrun variables). Modes:
 
 - ddp, bsrun: the same plain DDP loop; the launcher decides whether it is scheduled
   (`bsrun --no-schedule` leaves DDP as it is), so the script is the unmodified user's;
+- horovod, bsrun-horovod: the same loop with `hvd.DistributedOptimizer` (Horovod's
+  defaults) instead of DDP; again only the launcher differs;
 - compute: the same model and loop without DDP and without any communication;
 - comm: only communication: the gradients' sizes, bucketed as DDP buckets them,
   all-reduced every step;
@@ -70,14 +72,21 @@ class Comm:
 
 
 class Compute:
-    """forward + backward + SGD step of the model, no communication."""
+    """forward + backward + SGD step of the model (communication only where `model` is
+    DDP, or `horovod` wraps the optimizer)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, batch):
+    def __init__(self, name: str, model: torch.nn.Module, batch, horovod: bool = False):
         self.name, self.model, (self.x, self.y) = name, model, batch
         self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        if horovod:
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.opt = hvd.DistributedOptimizer(self.opt, named_parameters=model.named_parameters())
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def step(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()  # set_to_none, torch's default (Horovod's takes no argument)
         models.loss(self.name, self.model(self.x), self.y).backward()
         self.opt.step()
 
@@ -100,6 +109,8 @@ def make_stepper(name: str, mode: str, model: torch.nn.Module, batch):
     if mode in ("ddp", "bsrun"):
         # Looked up at call time: under scheduling bsrun has replaced this class.
         return Compute(name, torch.nn.parallel.DistributedDataParallel(model), batch)
+    if mode in ("horovod", "bsrun-horovod"):
+        return Compute(name, model, batch, horovod=True)
     if mode == "compute":
         return Compute(name, model, batch)
     if mode == "comm":
