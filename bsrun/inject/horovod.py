@@ -23,7 +23,7 @@ from horovod.torch import optimizer as hvd_optimizer
 
 from bsrun.config import SchedConfig
 from bsrun.inject import runtime
-from bsrun.sched.horovod_backend import HorovodBackend
+from bsrun.sched import horovod_backend  # a module: it may still be importing (it imports horovod)
 
 _GENUINE = hvd_optimizer.DistributedOptimizer
 _SIGNATURE = inspect.signature(_GENUINE)
@@ -81,8 +81,8 @@ class HorovodTransport:
         tensor = torch.tensor(order, dtype=torch.int64)
         return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.order").tolist()
 
-    def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
-        return HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
+    def backend(self, partitions, grad_of, dtypes) -> "horovod_backend.HorovodBackend":
+        return horovod_backend.HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
 
     def credit(self, credit_bytes: int) -> int:
         """Rank 0 alone holds back; the others submit all that is ready (see the backend)."""

@@ -2,8 +2,9 @@
 
 Framework-neutral: it knows partitions only by id (lower id = more urgent) and size, and
 talks to a `CommBackend` that moves the bytes. Two threads, both sleeping on one
-condition variable (no polling): the control thread agrees with the other ranks and
-issues collectives; the finisher waits for them in order and hands results back.
+condition variable: the control thread agrees with the other ranks and
+issues collectives; the finisher hands each result back as it finishes (in order on one
+gloo group; polled where the transport may finish them out of order, as Horovod does).
 
 Agreement without a leader. All ranks take part in a sequence of small negotiations on
 a channel of their own (not behind the gradient bytes): each rank contributes its
@@ -34,14 +35,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 
 class CommBackend(Protocol):
     world_size: int
+    in_order: bool  # collectives finish in the order they were posted (as on one gloo group)
 
     def post(self, pid: int) -> object:
         """Start partition `pid`'s collective (asynchronously); return a handle."""
+
+    def test(self, handle) -> bool:
+        """Non-blocking: is that collective done? (Asked only when not in_order.)"""
 
     def wait(self, handle) -> None:
         """Block until that collective is done and finish the partition (average it)."""
@@ -52,6 +58,18 @@ class CommBackend(Protocol):
 
 class SchedulerClosed(RuntimeError):
     pass
+
+
+@dataclass
+class _InFlight:
+    round: int
+    pid: int
+    handle: object
+    finished: bool = False
+
+
+POLL_MIN_S = 0.0002  # polling an out-of-order backend: back off from 0.2 ms to 2 ms
+POLL_MAX_S = 0.002
 
 
 class Scheduler:
@@ -66,7 +84,7 @@ class Scheduler:
         self.pace_s = pace_s
         self._ready = [0] * len(self.sizes)   # times each partition was marked ready
         self._finished: dict[int, int] = {}   # round -> collectives finished here
-        self._issued: deque = deque()         # (round, pid, handle) for the finisher
+        self._issued: deque[_InFlight] = deque()  # posted, oldest first; left from the front
         self._cv = threading.Condition()
         self._closing = False
         self.stats = {"rounds": 0, "partitions": 0, "bytes": 0, "negotiations": 0}
@@ -111,22 +129,38 @@ class Scheduler:
             raise SchedulerClosed()
         return True
 
-    # --- the finisher: waits for issued collectives in order ---------------------------
+    # --- the finisher: hands back each collective as it finishes -------------------------
 
     def _finisher(self) -> None:
         while True:
-            with self._cv:
-                self._wait(lambda: bool(self._issued))
-                round_, pid, handle = self._issued[0]
-            self.backend.wait(handle)
+            entry = self._next_finished()
+            self.backend.wait(entry.handle)
             self.stats["partitions"] += 1
-            self.stats["bytes"] += self.sizes[pid]
-            self.on_complete(pid)
+            self.stats["bytes"] += self.sizes[entry.pid]
+            self.on_complete(entry.pid)
             with self._cv:
-                self._issued.popleft()
-                self._finished[round_] = self._finished.get(round_, 0) + 1
-                self._finished.pop(round_ - 2, None)
+                entry.finished = True
+                while self._issued and self._issued[0].finished:  # counts are of a finished prefix
+                    done = self._issued.popleft()
+                    self._finished[done.round] = self._finished.get(done.round, 0) + 1
+                    self._finished.pop(done.round - 2, None)
                 self._cv.notify_all()
+
+    def _next_finished(self) -> _InFlight:
+        """The oldest collective (in order), or any finished one (out of order: polled, so
+        that one stuck ahead does not hide the urgent ones finishing behind it)."""
+        pause = POLL_MIN_S
+        while True:
+            with self._cv:
+                self._wait(lambda: any(not e.finished for e in self._issued))
+                pending = [e for e in self._issued if not e.finished]
+            if self.backend.in_order:
+                return pending[0]
+            for entry in pending:
+                if self.backend.test(entry.handle):
+                    return entry
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX_S)
 
     # --- the control thread: agree, then issue ------------------------------------------
 
@@ -189,5 +223,5 @@ class Scheduler:
             issued.append(choice)
             issued_set.add(choice)
             with self._cv:
-                self._issued.append((round_, choice, handle))
+                self._issued.append(_InFlight(round_, choice, handle))
                 self._cv.notify_all()

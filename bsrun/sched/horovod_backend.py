@@ -6,7 +6,8 @@ unchanged. As in ByteScheduler's Horovod plugin, only rank 0 holds back by prior
 credit (the runtime gives the other ranks an unbounded credit, so they submit each
 partition as soon as it is ready there); the order in which rank 0 submits is then the
 order in which Horovod runs them, and no rank can wait on a partition that another rank
-holds back. Averaging is Horovod's own (op Average with its pre/post scale factors), so
+holds back. They finish in Horovod's order, not in the order this rank posted them, so
+the core polls them (`in_order = False`) rather than wait for the oldest. Averaging is Horovod's own (op Average with its pre/post scale factors), so
 results match plain `hvd.DistributedOptimizer`.
 """
 
@@ -20,6 +21,8 @@ from bsrun.sched.buffers import PartitionBuffers
 
 
 class HorovodBackend(PartitionBuffers):
+    in_order = False  # Horovod runs them in rank 0's order, and other ranks post in theirs
+
     def __init__(self, name: str, op, prescale: float, postscale: float, partitions, grad_of, dtypes):
         """`name`: a prefix the same on every rank and unique to this model."""
         super().__init__(partitions, grad_of, dtypes)
@@ -35,9 +38,15 @@ class HorovodBackend(PartitionBuffers):
                                       prescale_factor=self.prescale, postscale_factor=self.postscale)
         return pid, handle
 
+    def test(self, handle) -> bool:
+        return hvd.poll(handle[1])
+
     def wait(self, handle) -> None:
+        """Called once test() is true. (Horovod's blocking wait sleeps holding the GIL,
+        pybind11 without a release, which would stall the training thread meanwhile;
+        so the core polls instead.)"""
         pid, hvd_handle = handle
-        hvd.synchronize(hvd_handle)
+        hvd.synchronize(hvd_handle)  # done: returns at once, frees the handle, raises its error
         self.unpack(pid)
 
     def negotiate(self, values: Sequence[int]) -> list[int]:

@@ -16,6 +16,8 @@ from bsrun.sched.buffers import PartitionBuffers
 
 
 class TorchDistBackend(PartitionBuffers):
+    in_order = True  # one process group runs its collectives in the order they were posted
+
     def __init__(self, data_group, negotiation_group, partitions, grad_of, dtypes):
         super().__init__(partitions, grad_of, dtypes)
         self.data_group = data_group
@@ -25,6 +27,9 @@ class TorchDistBackend(PartitionBuffers):
     def post(self, pid: int):
         data = self.pack(pid)
         return pid, data, dist.all_reduce(data, group=self.data_group, async_op=True)
+
+    def test(self, handle) -> bool:
+        return handle[2].is_completed()
 
     def wait(self, handle) -> None:
         pid, data, work = handle
