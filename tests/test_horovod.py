@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, bsrun_env, bsrun_namespaces, last_run, run_bsrun
+from conftest import REPO, WORKERS, assert_same_state, bsrun_env, bsrun_namespaces, last_run, run_bsrun
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed (scripts/install-horovod.sh)")
 SCRIPT = WORKERS / "train_hvd.py"
@@ -107,3 +107,11 @@ def test_horovod_across_emulated_hosts(workdir):
     assert {r["mode"] for r in run["ranks"]} == {"scheduled"}
     assert_same_state(sched, plain)
     assert bsrun_namespaces() == []
+
+
+@pytest.mark.slow
+def test_the_horovod_example_runs_scheduled(workdir):
+    proc = run_bsrun(["-np", 2, "python", REPO / "examples" / "train_hvd.py", "--steps", 10], cwd=workdir,
+                     check=True)
+    assert "step 10: loss" in proc.stdout
+    assert {r["mode"] for r in last_run(workdir)["ranks"]} == {"scheduled"}
