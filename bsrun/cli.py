@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 import click
 
 from bsrun import __version__
-from bsrun.config import KNOBS, TUNED_FILE, job_signature, load_tuned, resolve
+from bsrun.config import KNOBS, TUNABLE, TUNED_FILE, job_signature, load_tuned, resolve
 from bsrun.errors import BsrunError
+from bsrun.tune.space import SPACE_HELP
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 LAUNCH_CONTEXT = {**CONTEXT, "allow_interspersed_args": False}
@@ -23,10 +25,19 @@ LAUNCH_CONTEXT = {**CONTEXT, "allow_interspersed_args": False}
 class BsrunGroup(click.Group):
     """A group whose default command is `run`: `bsrun -np 2 python x.py` = `bsrun run ...`."""
 
+    own_options = ("-h", "--help", "--version")  # what the group itself answers
+
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+        if (args or not self.own_options) and (not args or args[0] not in self.commands) \
+                and (not args or args[0] not in self.own_options):
             args = ["run", *args]
         return super().parse_args(ctx, args)
+
+
+class TuneGroup(BsrunGroup):
+    """`bsrun tune LAUNCH...` = `bsrun tune run LAUNCH...`; `bsrun tune --help` explains that."""
+
+    own_options = ()
 
 
 @click.group(cls=BsrunGroup, context_settings=CONTEXT)
@@ -64,8 +75,20 @@ def launch_options(f):
     return f
 
 
+def job_of(command, nproc, network) -> tuple[str, list[str]]:
+    """The job signature of a launch and the hosts it names: the key of its tuned config.
+
+    On an emulated network each rank is a host of its own, at the emulated rate: a config
+    tuned at 1 Gbit/s is not the one for loopback."""
+    hosts = ["localhost"]
+    if network is not None:
+        link = f"{network.rate_bps or 'unshaped'}bit/s,{network.latency_s or 0}s"
+        hosts = [f"emulated-{r}@{link}" for r in range(nproc or 1)]
+    return job_signature(list(command), nproc or 1, hosts), hosts
+
+
 def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace,
-                   emulate_bandwidth=None, emulate_latency=None):
+                   emulate_bandwidth=None, emulate_latency=None, use_tuned=True):
     """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line."""
     from bsrun.launch.plan import NetworkSpec, make_plan
 
@@ -79,8 +102,7 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
 
     flags = {"partition": partition, "credit": credit, "timeout": timeout,
              "enabled": None if schedule is None else str(schedule)}
-    signature = job_signature(list(command), nproc or 1)
-    tuned = load_tuned(signature)
+    tuned = load_tuned(job_of(command, nproc, network)[0]) if use_tuned else None
     config = resolve(flags, config_file, tuned=tuned)
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)
     if any(s.startswith("tuned") for s in config.sources.values()):
@@ -173,6 +195,109 @@ def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch
     results = run_bench(_csv(models), nproc, rates, _csv(modes), steps, warmup, repeat, batch,
                         json_path, Console())
     return 1 if any(r["failed_repeats"] for r in results) else 0
+
+
+@cli.group("tune", cls=TuneGroup, context_settings=CONTEXT)
+def tune_group():
+    """Tuning trials across launches; `bsrun tune --help` for the options."""
+
+
+@tune_group.command("run", hidden=True, context_settings=LAUNCH_CONTEXT)
+@launch_options
+@click.option("--trials", type=click.IntRange(min=1), default=9, show_default=True,
+              help="search launches (the first runs bsrun's defaults)")
+@click.option("--recheck", type=click.IntRange(min=0), default=3, show_default=True,
+              help="best configs (defaults among them) launched once more; the fastest again is committed")
+@click.option("--steps", type=click.IntRange(min=2), default=10, show_default=True,
+              help="timed steps per trial (their median is the trial's step time)")
+@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
+              help="steps before timing starts")
+@click.option("--space", default=None, help=f"search ranges (log scale), default {SPACE_HELP}")
+@click.option("--fresh", is_flag=True, help="start a new journal instead of resuming this job's")
+@click.option("--grid", is_flag=True, help="measure a log-spaced grid over the space instead (commits nothing)")
+@click.option("--trial-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
+              help="seconds a trial may take before it is stopped and recorded as hung")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the search")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON (progress goes to stderr)")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, trial_timeout, seed, as_json,
+             **launch):
+    """Find the best partition and credit for COMMAND with a few real launches, and commit it.
+
+    \b
+      bsrun tune [OPTIONS] -np 2 [LAUNCH OPTIONS] python train.py ...
+      bsrun tune show            the journals of .bsrun/tune/ as tables
+
+    Each trial launches the job as `bsrun` would, with a candidate config: the workers time
+    STEPS steps after WARMUP and then end at the same step. A knob fixed on the command line
+    (or by --config or BSRUN_*) is kept and left out of the search. The journal
+    .bsrun/tune/<job>.jsonl keeps every trial: the same command resumes. The winner goes to
+    .bsrun/tuned.json, and later runs of the same job (command, -np, network) use it.
+    """
+    from bsrun.tune import tuner
+    from bsrun.tune.journal import TUNE_DIR
+    from bsrun.tune.space import parse_space
+    from bsrun.tune.trial import TrialSetup
+
+    plan = resolve_launch(command, **launch, use_tuned=False)
+    if not plan.config.enabled:
+        raise BsrunError("tuning needs scheduling on; --no-schedule (or BSRUN_ENABLE=0) was given")
+    fixed = {n: str(getattr(plan.config, n)) for n in sorted(plan.config.fixed_by_user()) if n in TUNABLE}
+    fixed = {n: launch[n] if launch.get(n) is not None else v for n, v in fixed.items()}
+    search_space = parse_space(space, fixed)
+    signature, hosts = job_of(command, launch["nproc"], plan.network)
+    setup = TrialSetup(_launch_flags(ctx, launch), list(command), warmup, steps, trial_timeout,
+                       launch["grace"], TUNE_DIR / signature)
+    job = tuner.Job(signature, list(command), launch["nproc"] or 1, hosts, setup)
+    console = _tune_console(as_json)
+    try:
+        if grid:
+            result = tuner.grid(job, search_space, fresh, console)
+        else:
+            result = tuner.tune(job, search_space, trials, recheck, fresh, seed, console)
+    except tuner.Stopped as e:
+        click.echo(f"bsrun: tuning stopped by {signal.Signals(e.signum).name}; the journal "
+                   f"{TUNE_DIR / signature}.jsonl keeps every finished trial: run the same command to resume",
+                   err=True)
+        return 128 + e.signum
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    return 0
+
+
+def _tune_console(to_stderr: bool):
+    """Rich output; when it goes to a file or a pipe, wide enough for whole table rows."""
+    from rich.console import Console
+
+    console = Console(stderr=to_stderr)
+    return console if console.is_terminal else Console(stderr=to_stderr, width=max(console.width, 150))
+
+
+def _launch_flags(ctx, launch: dict) -> list[str]:
+    """The launch options the user gave, as bsrun flags again: each trial launches with them."""
+    flags = []
+    for param in ctx.command.params:
+        value = launch.get(param.name)
+        if param.name not in launch or value is None or value == param.default:
+            continue
+        if param.secondary_opts:
+            flags.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            flags += [param.opts[0], str(value)]
+    return flags
+
+
+@tune_group.command("show", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="the journals' records as JSON")
+def tune_show(as_json):
+    """Print the tuning journals of this folder (.bsrun/tune/) as tables."""
+    from bsrun.tune import tuner
+
+    shown = tuner.show(_tune_console(as_json))
+    if as_json:
+        click.echo(json.dumps(shown, indent=2))
+    return 0
 
 
 def main(argv=None) -> None:

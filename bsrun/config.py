@@ -239,6 +239,11 @@ REPORT_DIR_ENV = "BSRUN_REPORT_DIR"      # where each rank writes its part of th
 PACKAGE_ROOT_ENV = "BSRUN_PACKAGE_ROOT"  # lets a worker's Python find bsrun if not installed there
 DEBUG_ENV = "BSRUN_DEBUG"                # "1": workers say what the bootstrap did
 WORKER_PID_ENV = "BSRUN_WORKER_PID"      # set by the training worker, so its children stand aside
+# A tuning trial (`bsrun tune`): set only in the environment of a trial's launch.
+TRIAL_OUT_ENV = "BSRUN_TRIAL_OUT"        # rank 0 writes the trial's measurement here (JSON)
+TRIAL_WARMUP_ENV = "BSRUN_TRIAL_WARMUP"  # optimizer steps before timing starts
+TRIAL_STEPS_ENV = "BSRUN_TRIAL_STEPS"    # timed steps; the job ends after warm-up + these
+TRIAL_ID_ENV = "BSRUN_TRIAL_ID"          # the trial's number in the journal (for logs, tests)
 
 
 def worker_setting(name: str, env: Mapping[str, str] = os.environ) -> str | None:

@@ -11,7 +11,7 @@ import importlib.abc
 import os
 import sys
 
-from bsrun.config import DEBUG_ENV, WORKER_PID_ENV, worker_setting
+from bsrun.config import DEBUG_ENV, TRIAL_OUT_ENV, WORKER_PID_ENV, worker_setting
 
 RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -74,6 +74,11 @@ def _install_torch_patches(_torch):
 
     patches.install()
     debug("torch patches installed")
+    if worker_setting(TRIAL_OUT_ENV):  # a `bsrun tune` trial: time the steps, end the job
+        from bsrun.inject import trial
+
+        trial.install(worker_rank())
+        debug("tuning trial installed")
 
 
 def _install_horovod_patches(_hvd_torch):
