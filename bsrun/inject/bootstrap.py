@@ -14,15 +14,25 @@ import sys
 from bsrun.config import DEBUG_ENV, TRIAL_OUT_ENV, WORKER_PID_ENV, worker_setting
 
 RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+SIZE_VARIABLES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
-def worker_rank(env=os.environ):
-    """This process's global rank, or None when it is not a training worker."""
-    for name in RANK_VARIABLES:
+def _first_number(names, env):
+    for name in names:
         value = env.get(name)
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+def worker_rank(env=os.environ):
+    """This process's global rank, or None when it is not a training worker."""
+    return _first_number(RANK_VARIABLES, env)
+
+
+def world_size(env=os.environ):
+    """The number of workers its launcher started, or None when not a training worker."""
+    return _first_number(SIZE_VARIABLES, env)
 
 
 def debug(message: str) -> None:

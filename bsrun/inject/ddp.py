@@ -84,7 +84,20 @@ class TorchTransport:
         return credit_bytes
 
 
-class ScheduledDDP(DistributedDataParallel):
+class _AnyDDP(type(DistributedDataParallel)):
+    """Scripts hold `DistributedDataParallel` as it was looked up after our patch, i.e.
+    ScheduledDDP; `isinstance(model, DDP)` must still hold for a model that fell back to
+    the genuine class."""
+
+    def __instancecheck__(cls, obj):
+        return cls.__subclasscheck__(type(obj))
+
+    def __subclasscheck__(cls, sub):
+        # By the MRO, not issubclass: DDP's ABCMeta would ask this class again, forever.
+        return isinstance(sub, type) and DistributedDataParallel in sub.__mro__
+
+
+class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
     def __init__(self, *args, **kwargs):
         bound = _SIGNATURE.bind(self, *args, **kwargs)
         bound.apply_defaults()

@@ -102,6 +102,7 @@ def _at_exit() -> None:
             runtime.flush_all()
     finally:
         runtime.close_all()
+    runtime.note_if_nothing_scheduled()
 
 
 def install() -> None:

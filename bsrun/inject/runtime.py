@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from bsrun.inject import optim
-from bsrun.inject.bootstrap import worker_rank
+from bsrun.inject.bootstrap import world_size, worker_rank
 from bsrun.sched.core import CommBackend, Scheduler
 from bsrun.sched.partition import TensorInfo, plan_partitions
 
@@ -47,6 +47,13 @@ def set_mode(mode: str) -> None:
     order = ("off", "fallback", "scheduled")
     if order.index(mode) > order.index(_COUNTS["mode"]):
         _COUNTS["mode"] = mode
+
+
+def note_if_nothing_scheduled() -> None:
+    """A distributed script that stepped an optimizer but built nothing bsrun schedules."""
+    if _COUNTS["mode"] == "off" and _COUNTS["steps"] and (world_size() or 1) > 1:
+        say_once("nothing was scheduled: this script built no DistributedDataParallel model "
+                 "and no hvd.DistributedOptimizer, so its communication ran as written")
 
 
 def count_step() -> int:
