@@ -28,6 +28,10 @@ the backend's docstring says why that cannot deadlock.
 Rounds: one round is one synchronising backward pass; every partition is sent once per
 round. Readiness is counted, not flagged, so a hook of the next round can arrive before
 the current round is closed here.
+
+An optional observer, `trace(event, pid, time_ns)`, is told when a partition becomes ready
+on this rank ("ready"), is handed to the backend ("post") and has finished ("finish"),
+with time.perf_counter_ns(); `bsrun profile` records those. Off (None), it costs a test.
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ POLL_MAX_S = 0.002
 class Scheduler:
     def __init__(self, backend: CommBackend, sizes: Sequence[int], credit_bytes: int,
                  on_complete: Callable[[int], None], on_error: Callable[[BaseException], None],
-                 pace_s: float = 0.002, name: str = "bsrun"):
+                 pace_s: float = 0.002, name: str = "bsrun",
+                 trace: Callable[[str, int, int], None] | None = None):
         self.backend = backend
+        self.trace = trace
         self.sizes = list(sizes)
         self.credit = credit_bytes
         self.on_complete = on_complete
@@ -94,6 +100,8 @@ class Scheduler:
             t.start()
 
     def mark_ready(self, pid: int) -> None:
+        if self.trace is not None:
+            self.trace("ready", pid, time.perf_counter_ns())
         with self._cv:
             self._ready[pid] += 1
             self._cv.notify_all()
@@ -135,6 +143,8 @@ class Scheduler:
         while True:
             entry = self._next_finished()
             self.backend.wait(entry.handle)
+            if self.trace is not None:
+                self.trace("finish", entry.pid, time.perf_counter_ns())
             self.stats["partitions"] += 1
             self.stats["bytes"] += self.sizes[entry.pid]
             self.on_complete(entry.pid)
@@ -219,6 +229,8 @@ class Scheduler:
             unfinished = issued[finished_everywhere:]
             if unfinished and sum(self.sizes[p] for p in unfinished) + self.sizes[choice] > self.credit:
                 return
+            if self.trace is not None:
+                self.trace("post", choice, time.perf_counter_ns())
             handle = self.backend.post(choice)
             issued.append(choice)
             issued_set.add(choice)
