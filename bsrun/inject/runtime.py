@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from typing import Protocol
 
@@ -32,6 +33,7 @@ RUNTIMES: "weakref.WeakSet[ModelRuntime]" = weakref.WeakSet()
 _NOTES: list[str] = []
 _COUNTS = {"mode": "off", "steps": 0}
 STEP_LISTENERS: list = []  # callables(step_number), run after each optimizer step() returns
+TRACE = None  # while `bsrun profile` records: its recorder (bsrun/inject/record.py)
 
 
 def say_once(message: str) -> None:
@@ -92,6 +94,14 @@ def flush_all() -> None:
 def close_all() -> None:
     for rt in list(RUNTIMES):
         rt.close()
+
+
+def _step_subset(optimizer, snapshot, items) -> None:
+    """optim.step_subset, timed for the profile recorder when one records."""
+    began = time.perf_counter_ns() if TRACE is not None else 0
+    optim.step_subset(optimizer, snapshot, items)
+    if TRACE is not None and items:
+        TRACE.updated([p for _, p in items], began)
 
 
 class Transport(Protocol):
@@ -231,7 +241,8 @@ class ModelRuntime:
                                          {str(p.dtype): p.dtype for p in self.params})
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
                                    self.transport.credit(self.config.credit_bytes),
-                                   self._on_partition_done, self._on_error)
+                                   self._on_partition_done, self._on_error,
+                                   trace=TRACE.scheduler_trace(self) if TRACE is not None else None)
 
     def _on_partition_done(self, pid: int) -> None:  # comm thread
         finished = []
@@ -269,7 +280,10 @@ class ModelRuntime:
         """Make these parameters current: communication done, update applied, zero applied."""
         if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
             return
+        began = time.perf_counter_ns() if TRACE is not None else 0
         self.wait_for(indices)
+        if TRACE is not None:
+            TRACE.waited(self, indices, began)
         with self.cv:  # with these, every other update that is ready: one optimizer call, not many
             ready = [i for i in self.pending if not self.in_flight(i)]
         self.apply_updates(ready)
@@ -283,7 +297,7 @@ class ModelRuntime:
             opt, snapshot, group = self.pending.pop(i)
             batches.setdefault((id(opt), id(snapshot)), [opt, snapshot, []])[2].append((group, self.params[i]))
         for opt, snapshot, items in batches.values():
-            optim.step_subset(opt, snapshot, items)
+            _step_subset(opt, snapshot, items)
 
     def flush(self) -> None:
         """Everything communicated, every pending update and zero applied."""
@@ -320,7 +334,7 @@ class ModelRuntime:
                         self.pending[i] = (optimizer, snapshot, g)
                     else:
                         now.append((g, p))
-        optim.step_subset(optimizer, snapshot, now)
+        _step_subset(optimizer, snapshot, now)
         return None
 
     def zero_grad(self, params, set_to_none: bool) -> None:
