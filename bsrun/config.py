@@ -244,6 +244,10 @@ TRIAL_OUT_ENV = "BSRUN_TRIAL_OUT"        # rank 0 writes the trial's measurement
 TRIAL_WARMUP_ENV = "BSRUN_TRIAL_WARMUP"  # optimizer steps before timing starts
 TRIAL_STEPS_ENV = "BSRUN_TRIAL_STEPS"    # timed steps; the job ends after warm-up + these
 TRIAL_ID_ENV = "BSRUN_TRIAL_ID"          # the trial's number in the journal (for logs, tests)
+# A profile (`bsrun profile`): set only in the environment of a profiled launch.
+PROFILE_DIR_ENV = "BSRUN_PROFILE_DIR"        # each rank appends its recording to rank-<r>.jsonl here
+PROFILE_WARMUP_ENV = "BSRUN_PROFILE_WARMUP"  # optimizer steps before recording starts
+PROFILE_STEPS_ENV = "BSRUN_PROFILE_STEPS"    # recorded steps; the job ends after warm-up + these
 
 
 def worker_setting(name: str, env: Mapping[str, str] = os.environ) -> str | None:
