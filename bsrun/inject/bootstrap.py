@@ -11,7 +11,7 @@ import importlib.abc
 import os
 import sys
 
-from bsrun.config import DEBUG_ENV, TRIAL_OUT_ENV, WORKER_PID_ENV, worker_setting
+from bsrun.config import DEBUG_ENV, PROFILE_DIR_ENV, TRIAL_OUT_ENV, WORKER_PID_ENV, worker_setting
 
 RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 SIZE_VARIABLES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -89,6 +89,11 @@ def _install_torch_patches(_torch):
 
         trial.install(worker_rank())
         debug("tuning trial installed")
+    if worker_setting(PROFILE_DIR_ENV):  # `bsrun profile`: record spans, end at its last step
+        from bsrun.inject import record
+
+        record.install(worker_rank())
+        debug("profile recorder installed")
 
 
 def _install_horovod_patches(_hvd_torch):
