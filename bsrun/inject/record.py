@@ -347,9 +347,7 @@ class Recorder:
             self.started = True
             self.events.append(("S", number, t))
         if self.steps is not None and number >= self.warmup + self.steps:
-            self.on = False
             self.ended = True
-            self.flush()
             self.end_job()
         self.flush()
 
@@ -375,7 +373,8 @@ class Recorder:
         """Step WARMUP + STEPS on every rank: finish the scheduled work, meet, leave."""
         runtime = sys.modules.get("bsrun.inject.runtime")
         if runtime is not None:
-            runtime.flush_all()
+            runtime.flush_all()  # the last step's transfers are still recorded
+        self.on = False
         self.barrier()
         self.close()
         watchdog = threading.Timer(EXIT_GRACE_S, _hard_exit, args=(self.rank,))

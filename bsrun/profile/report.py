@@ -1,0 +1,77 @@
+"""A profile's summary as rich tables: per layer, per iteration, and the what-if model."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from bsrun.profile.analysis import LAYER_KEYS
+
+
+def _ms(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def layer_table(summary: dict) -> Table:
+    table = Table(title="per layer (ms per iteration, mean over ranks)",
+                  caption="comm, queue, exposed: the layer's share (by bytes) of the partitions or buckets "
+                          "holding its gradients")
+    for col in ("layer", "type", "params", "bytes", "forward", "backward", "comm", "queue", "exposed comm"):
+        table.add_column(col, justify="left" if col in ("layer", "type") else "right")
+    for row in summary["layers"]:
+        table.add_row(row["name"], row["type"], f"{row['params']:,}", _bytes(row["bytes"]),
+                      *(_ms(row[k]) for k in LAYER_KEYS))
+    t = summary["layer_totals"]
+    if summary["layers"]:
+        table.add_row("total", "", f"{t['params']:,}", _bytes(t["bytes"]), *(_ms(t[k]) for k in LAYER_KEYS),
+                      style="bold")
+    return table
+
+
+def iteration_table(summary: dict) -> Table:
+    table = Table(title="per iteration (ms, mean over ranks)",
+                  caption="compute: passes + updates less waits; overlap: comm during compute / comm; "
+                          "bound: max(compute, comm); efficiency: bound / step")
+    for col in ("step", "step ms", "compute", "comm", "overlap", "exposed comm", "idle", "bound", "efficiency"):
+        table.add_column(col, justify="right")
+
+    def cells(r):
+        return (_ms(r["step_ms"]), _ms(r["compute_ms"]), _ms(r["comm_ms"]), f"{r['overlap_pct']:.0f}%",
+                _ms(r["exposed_comm_ms"]), _ms(r["idle_ms"]), _ms(r["bound_ms"]), f"{r['efficiency']:.2f}")
+
+    for row in summary["iterations"]:
+        table.add_row(str(row["step"]), *cells(row))
+    if summary["iterations"]:
+        table.add_row("median", *cells(summary["median"]), style="bold")
+    return table
+
+
+def model_lines(summary: dict) -> list[str]:
+    model = summary.get("whatif")
+    if not model:
+        return []
+    lines = [f"link model: {model['alpha_ms']:.3f} ms + {model['gbit_per_s']:.3g} Gbit/s per collective "
+             f"(alpha-beta, least squares over {model['transfers']} transfers); decision latency "
+             f"{model['decision_ms']:.2f} ms; update {model['update_ms_per_mb']:.3f} ms/MB"]
+    own = model.get("self_check")
+    if own and own.get("measured_ms"):
+        lines.append(f"what-if replay of this config: {own['predicted_ms']:.1f} ms vs {own['measured_ms']:.1f} ms "
+                     f"measured ({own['error_pct']:+.1f}%)")
+    return lines
+
+
+def whatif_table(rows: list[dict]) -> Table:
+    table = Table(title="what-if (replay of the profile)")
+    for col in ("config", "predicted step (ms)", "collectives", "vs profiled"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        table.add_row(r["config"], f"{r['predicted_ms']:.1f}", str(r["collectives"]),
+                      "-" if r.get("vs_profiled") is None else f"{r['vs_profiled']:.2f}x")
+    return table

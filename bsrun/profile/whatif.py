@@ -1,0 +1,347 @@
+"""What-if: predict the step time of another config from one profile.
+
+`fit(trace)` reduces a profile to a `Model`: per rank, the compute of an average
+iteration as positions on its own compute clock (where each layer's forward starts,
+where each parameter's gradient is ready in the backward pass, and the compute before,
+between and after the passes, with waits and updates taken out); an update cost
+(a + b * bytes per optimizer call, least squares over the recorded updates); and an
+alpha-beta model of the link, t = alpha + beta * bytes per collective, least squares
+over the recorded transfers, each timed from when the link was free for it (posted, or
+the one before finished) to its end. For scheduled runs also the decision latency: how
+long after a partition was ready on every rank, and the credit allowed it, it was posted.
+
+`predict(model, partition_bytes, credit_bytes, scheduled)` replays a few iterations of
+compute and communication, event by event, and returns the steady-state step time (s):
+
+- scheduled (bsrun): partitions from bsrun.sched.partition.plan_partitions in the
+  forward pass's first-use order; a partition is issued when it is ready on every rank
+  (plus the decision latency), most urgent first, while the bytes in flight stay within
+  the credit (as bsrun/sched/core.py decides); transfers share one link, in issue order;
+  each layer's next forward waits for its own partitions and applies the updates that
+  are ready (the dependency proxy); step() updates what has arrived.
+- unscheduled (DDP): buckets of 25 MiB (the first 1 MiB) in the order gradients became
+  ready, each all-reduced once it and the ones before it are ready on every rank; the
+  backward pass ends by waiting for every bucket, then one full optimizer step.
+
+A pure function of the Model: the tuner can call it for any number of candidates.
+What it does not model: the CPU that communication takes from computation changes with
+the config (the compute times are those measured under the profiled config), and rank
+skew beyond what the per-rank compute times carry.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
+from bsrun.sched.partition import TensorInfo, plan_partitions
+
+DDP_FIRST_BUCKET = 1024 * 1024    # torch DDP's defaults (2.x): the first bucket 1 MiB,
+DDP_BUCKET = 25 * 1024 * 1024     # the others 25 MiB
+REPLAY_ITERATIONS = 8
+
+
+@dataclass
+class RankCompute:
+    """One rank's average iteration on its own compute clock, in seconds."""
+
+    before_forward: float            # step() return -> forward pass (data, zero_grad, ...)
+    forward: float                   # the forward pass's compute
+    forward_at: dict[str, float]     # layer -> where its forward starts within it
+    before_backward: float           # forward end -> backward start (the loss)
+    backward: float
+    ready_at: dict[str, float]       # parameter -> when its gradient is ready within the backward
+    after_backward: float            # backward end -> step() return, less waits and updates
+
+
+@dataclass
+class Model:
+    world_size: int
+    params: list[dict]               # name, numel, element_size, dtype; registration order
+    layer_params: dict[str, list[str]]
+    forward_layers: list[str]        # first-use order
+    ranks: list[RankCompute]
+    alpha: float                     # s per collective
+    beta: float                      # s per byte
+    update_a: float                  # s per optimizer call
+    update_b: float                  # s per byte updated
+    decision: float                  # s from ready everywhere (and credit) to posted
+    sync_forward: bool               # DDP's forward starts with a buffer broadcast: ranks meet there
+    profiled: dict = field(default_factory=dict)  # scheduled, partition, credit, measured step (s)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- fitting ------------------------------------------------------------------------------
+
+
+def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """y = a + b x, with a >= 0 and b >= 0 (through the origin when a would be negative)."""
+    if not xs:
+        return 0.0, 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx > 0:
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        a = my - b * mx
+        if a >= 0 and b >= 0:
+            return a, b
+    sxx0 = sum(x * x for x in xs)
+    if sxx0 > 0 and sum(x * y for x, y in zip(xs, ys)) > 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sxx0
+    return max(0.0, my), 0.0
+
+
+def _collectives(views: list[RankView]) -> list[dict]:
+    """Each collective as all ranks saw it (matched by name and round): bytes, ready on
+    every rank, posted on every rank, finished (mean), in issue order."""
+    by_key: dict = {}
+    for v in views:
+        for t in v.transfers:
+            key = (t.name, t.args.get("round", t.args.get("step")))
+            by_key.setdefault(key, []).append(t)
+    out = []
+    for ts in by_key.values():
+        if len(ts) != len(views):
+            continue
+        out.append({"bytes": ts[0].args.get("bytes", 0),
+                    "ready": max(t.args["ready_us"] for t in ts) / 1e6,
+                    "posted": max(t.args["post_us"] for t in ts) / 1e6,
+                    "finished": statistics.fmean(t.args["finish_us"] for t in ts) / 1e6})
+    out.sort(key=lambda c: c["posted"])
+    return out
+
+
+def fit_link(collectives: list[dict]) -> tuple[float, float]:
+    xs, ys, free = [], [], None
+    for c in sorted(collectives, key=lambda c: c["finished"]):
+        start = c["posted"] if free is None else max(c["posted"], free)
+        free = c["finished"]
+        if c["finished"] > start:
+            xs.append(float(c["bytes"]))
+            ys.append(c["finished"] - start)
+    return least_squares(xs, ys)
+
+
+def fit_decision(collectives: list[dict], credit: int) -> float:
+    """Median delay of a post after it was possible: ready everywhere and within the credit."""
+    delays = []
+    for i, c in enumerate(collectives):
+        allowed = c["ready"]
+        earlier = sorted(collectives[:i], key=lambda e: e["finished"])
+        in_flight = [e for e in earlier if e["finished"] > allowed]
+        while in_flight and sum(e["bytes"] for e in in_flight) + c["bytes"] > credit:
+            allowed = in_flight.pop(0)["finished"]
+        delays.append(max(0.0, c["posted"] - allowed))
+    return statistics.median(delays) if delays else 0.0
+
+
+def _rank_compute(view: RankView, scheduled: bool) -> RankCompute | None:
+    figures = []
+    for lo, hi, _ in view.windows():
+        fwd = [s for s in view.forward_passes if lo <= s.t0 < hi]
+        if not fwd:
+            continue
+        f = fwd[0]
+        bwd = [s for s in view.backward_passes if f.t1 <= s.t0 < hi]
+        if not bwd:
+            continue
+        b = bwd[0]
+
+        def compute_in(a, z):  # time in [a, z] not waiting and not updating
+            return (z - a) - total(clip(view.wait_intervals, a, z)) - total(clip(view.update_intervals, a, z))
+
+        forward_at = {}
+        for layer, spans in view.forward.items():
+            first = [s for s in spans if f.t0 <= s.t0 <= f.t1]
+            if first and layer in view.layer_of.values():
+                forward_at[layer] = compute_in(f.t0, first[0].t0) / 1e6
+        ready_at = {}
+        for param, times in view.grads.items():
+            mine = [t for t in times if b.t0 <= t <= b.t1 + 1e3]
+            if mine:
+                ready_at[param] = (mine[0] - b.t0) / 1e6
+        comm_wait = 0.0
+        if not scheduled:  # DDP waits for its buckets at the end of the backward pass
+            finishes = [t.args["finish_us"] for t in view.transfers if b.t0 <= t.args["post_us"] <= hi]
+            comm_wait = max(0.0, min(hi, max(finishes, default=b.t1)) - b.t1)
+        figures.append(RankCompute(compute_in(lo, f.t0) / 1e6, compute_in(f.t0, f.t1) / 1e6, forward_at,
+                                   max(0.0, b.t0 - f.t1) / 1e6, (b.t1 - b.t0) / 1e6, ready_at,
+                                   max(0.0, compute_in(b.t1, hi) - comm_wait) / 1e6))
+    if not figures:
+        return None
+
+    def mean_of(dicts):
+        keys = set().union(*dicts)
+        return {k: statistics.fmean(d[k] for d in dicts if k in d) for k in keys}
+
+    return RankCompute(statistics.fmean(x.before_forward for x in figures), statistics.fmean(x.forward for x in figures),
+                       mean_of([x.forward_at for x in figures]), statistics.fmean(x.before_backward for x in figures),
+                       statistics.fmean(x.backward for x in figures), mean_of([x.ready_at for x in figures]),
+                       statistics.fmean(x.after_backward for x in figures))
+
+
+def _update_fit(views: list[RankView], params: list[dict]) -> tuple[float, float]:
+    everything = sum(p["bytes"] for p in params)
+    xs, ys = [], []
+    for v in views:
+        for u in v.updates:
+            xs.append(float(everything if u.args.get("params") == "all" else u.args.get("bytes", 0)))
+            ys.append((u.t1 - u.t0) / 1e6)
+    return least_squares(xs, ys)
+
+
+def fit(trace: dict) -> Model:
+    """The what-if model of a profile (see the module's docstring)."""
+    views = rank_views(trace)
+    if not views or not views[0].meta.get("params"):
+        raise ValueError("the profile recorded no model (no DDP model was built)")
+    meta = views[0].meta
+    scheduled = meta.get("comm") == ["bsrun"]
+    ranks = [c for v in views if (c := _rank_compute(v, scheduled)) is not None]
+    if not ranks:
+        raise ValueError("the profile holds no complete iteration (a forward and a backward pass between two steps)")
+    collectives = _collectives(views)
+    alpha, beta = fit_link(collectives)
+    config = meta.get("config") or {}
+    credit = config.get("credit_bytes") or 0
+    decision = fit_decision(collectives, credit) if scheduled else alpha
+    steps = [r["step_ms"] / 1e3 for r in iterations(views)]
+    update_a, update_b = _update_fit(views, meta["params"])
+    return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
+                 ranks, alpha, beta, update_a, update_b, decision,
+                 any(s.name.startswith("DDP forward sync") for v in views for s in v.waits),
+                 {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
+                  "credit_spec": config.get("credit"), "transfers": len(collectives),
+                  "measured_step_s": statistics.median(steps) if steps else None})
+
+
+# --- replay ------------------------------------------------------------------------------
+
+
+def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: float, beta: float,
+                 decision: float, link_free: float) -> dict[int, float]:
+    """Finish time of each partition of one round under bsrun's rule (core.py)."""
+    known = {p: t + decision for p, t in ready.items()}
+    finish: dict[int, float] = {}
+    t = min(known.values())
+    while len(finish) < len(known):
+        candidates = [p for p, k in known.items() if p not in finish and k <= t]
+        in_flight = sum(sizes[p] for p, f in finish.items() if f > t)
+        if candidates:
+            p = min(candidates)
+            if in_flight == 0 or in_flight + sizes[p] <= credit:
+                start = max(t, link_free)
+                link_free = finish[p] = start + alpha + beta * sizes[p]
+                continue
+        later = [k for p, k in known.items() if p not in finish and k > t] + [f for f in finish.values() if f > t]
+        t = min(later)
+    return finish
+
+
+def ddp_buckets(params: list[dict], order: list[int]) -> list[list[int]]:
+    """DDP's buckets over parameters taken in `order` (gradient-ready order)."""
+    buckets, current, size = [], [], 0
+    for i in order:
+        current.append(i)
+        size += params[i]["bytes"]
+        if size >= (DDP_FIRST_BUCKET if not buckets else DDP_BUCKET):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _forward(rank: RankCompute, begin: float, layer_deps: dict[str, list[int]], done_at: dict[int, float],
+             pending: set[int], model: Model, update_bytes: list[int]) -> float:
+    """A rank's forward pass from `start`: before each layer, wait for its partitions still
+    pending and apply every pending update that has arrived (bsrun's dependency proxy)."""
+    t, consumed = begin, 0.0
+    for layer in sorted(rank.forward_at, key=rank.forward_at.get):
+        t += rank.forward_at[layer] - consumed
+        consumed = rank.forward_at[layer]
+        deps = [g for g in layer_deps.get(layer, []) if g in pending]
+        if deps:
+            t = max(t, max(done_at[g] for g in deps))
+            arrived = [g for g in pending if done_at[g] <= t]
+            t += model.update_a + model.update_b * sum(update_bytes[g] for g in arrived)
+            pending.difference_update(arrived)
+    return t + rank.forward - consumed
+
+
+def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[list[int]], list[int]]:
+    """(parameters of each collective, its bytes): bsrun's partitions or DDP's buckets."""
+    params = model.params
+    if not scheduled:
+        r0 = model.ranks[0]
+        ready_order = sorted(range(len(params)), key=lambda i: r0.ready_at.get(params[i]["name"], float("inf")))
+        buckets = ddp_buckets(params, ready_order)
+        return buckets, [sum(params[i]["bytes"] for i in b) for b in buckets]
+    index = {p["name"]: i for i, p in enumerate(params)}
+    first_use = [index[n] for layer in model.forward_layers for n in model.layer_params.get(layer, []) if n in index]
+    order = list(dict.fromkeys(first_use + list(range(len(params)))))
+    infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"]) for p in params]
+    parts = plan_partitions(infos, order, partition_bytes)
+    return [sorted({pc.tensor for pc in part.pieces}) for part in parts], [part.nbytes for part in parts]
+
+
+def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bool,
+                   iterations: int = REPLAY_ITERATIONS) -> dict:
+    """The replay: rank 0's step times, iteration by iteration, and their steady-state median."""
+    params = model.params
+    groups, sizes = layout(model, partition_bytes, scheduled)
+    index = {p["name"]: i for i, p in enumerate(params)}
+    group_of: dict[int, list[int]] = {}
+    for g, members in enumerate(groups):
+        for i in members:
+            group_of.setdefault(i, []).append(g)
+    layer_deps = {layer: sorted({g for n in names if n in index for g in group_of.get(index[n], [])})
+                  for layer, names in model.layer_params.items()}
+    done_at = {g: 0.0 for g in range(len(groups))}
+    pending: list[set[int]] = [set() for _ in model.ranks]
+    starts = [0.0] * len(model.ranks)
+    boundaries: list[list[float]] = [[0.0] for _ in model.ranks]
+    link_free = 0.0
+    for _ in range(iterations):
+        ends, ready = [], {}
+        begins = [start + rank.before_forward for start, rank in zip(starts, model.ranks)]
+        if model.sync_forward:  # the buffer broadcast: every rank starts with the last one
+            begins = [max(begins)] * len(begins)
+        for r, rank in enumerate(model.ranks):
+            t = _forward(rank, begins[r], layer_deps, done_at, pending[r], model, sizes)
+            b0 = t + rank.before_backward
+            for g, members in enumerate(groups):
+                at = max(rank.ready_at.get(params[i]["name"], rank.backward) for i in members)
+                ready[g] = max(ready.get(g, 0.0), b0 + at)
+            ends.append(b0 + rank.backward)
+        if scheduled:
+            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free)
+        else:
+            done_at, posted = {}, 0.0
+            for g in range(len(groups)):  # in order: a bucket goes once it and those before are ready
+                posted = max(posted, ready[g])
+                start = max(posted + model.decision, link_free)
+                link_free = done_at[g] = start + model.alpha + model.beta * sizes[g]
+        link_free = max(done_at.values(), default=link_free)
+        for r, rank in enumerate(model.ranks):
+            t = ends[r]
+            if scheduled:  # step(): update what has arrived, leave the rest to the next forward
+                arrived = [g for g in done_at if done_at[g] <= t]
+                if arrived:
+                    t += model.update_a + model.update_b * sum(sizes[g] for g in arrived)
+                pending[r] = set(done_at) - set(arrived)
+            else:  # DDP: the backward pass ends when every bucket is in; one full step
+                t = max(t, link_free) + model.update_a + model.update_b * sum(sizes)
+            starts[r] = t + rank.after_backward
+            boundaries[r].append(starts[r])
+    steps = [b - a for a, b in zip(boundaries[0], boundaries[0][1:])]
+    return {"step_s": statistics.median(steps[len(steps) // 2:]), "step_times_s": steps,
+            "collectives": len(groups), "bytes": sum(sizes)}
+
+
+def predict(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bool) -> float:
+    """Predicted steady-state step time (s) of the profiled job under this config."""
+    return predict_detail(model, partition_bytes, credit_bytes, scheduled)["step_s"]
