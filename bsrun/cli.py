@@ -300,6 +300,63 @@ def tune_show(as_json):
     return 0
 
 
+@cli.group("profile", cls=TuneGroup, context_settings=CONTEXT)  # as tune: a launch by default
+def profile_group():
+    """Per-layer timelines of a launch; `bsrun profile --help` for the options."""
+
+
+@profile_group.command("run", hidden=True, context_settings=LAUNCH_CONTEXT)
+@launch_options
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="folder for trace.json, summary.json, timeline.png (default .bsrun/profile/<time>)")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="recorded steps; the job ends after them (default: record until the job ends)")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
+              help="optimizer steps before recording starts")
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON instead of tables")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def profile_run(command, out_dir, steps, warmup, as_json, **launch):
+    """Run COMMAND with recording on, then show where each iteration's time went.
+
+    \b
+      bsrun profile [-o DIR] [--steps N] [--warmup K] [LAUNCH OPTIONS] -np 2 python train.py ...
+      bsrun profile show [DIR]                        analyse a profile again
+      bsrun profile whatif [DIR] --partition 1MB --credit 4x   predict another config
+
+    Every rank records forward and backward spans per module, when each gradient is ready,
+    each partition's (or, unscheduled, each DDP bucket's) queue and transfer, the updates and
+    the step boundaries, on clocks aligned to rank 0. DIR gets one Chrome trace (Perfetto,
+    chrome://tracing), summary.json and timeline.png, also when the run is interrupted.
+    """
+    from bsrun.profile import command as profile
+
+    return profile.run(resolve_launch(command, **launch), out_dir, warmup, steps, as_json)
+
+
+@profile_group.command("show", context_settings=CONTEXT)
+@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON instead of tables")
+def profile_show(folder, as_json):
+    """Analyse the profile in FOLDER again (default: the newest in .bsrun/profile/)."""
+    from bsrun.profile import command as profile
+
+    return profile.show(folder, as_json)
+
+
+@profile_group.command("whatif", context_settings=CONTEXT)
+@click.argument("folder", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--partition", default=None, help="partition size to predict (default: the profiled one)")
+@click.option("--credit", default=None, help="credit to predict, a size or a multiple (default: the profiled one)")
+@click.option("--schedule/--no-schedule", "schedule", default=None,
+              help="predict scheduled or plain DDP (default: as profiled)")
+@click.option("--json", "as_json", is_flag=True, help="print the prediction as JSON")
+def profile_whatif(folder, partition, credit, schedule, as_json):
+    """Predict the step time under another config by replaying the profile in FOLDER."""
+    from bsrun.profile import command as profile
+
+    return profile.what_if(folder, partition, credit, schedule, as_json)
+
+
 def main(argv=None) -> None:
     """Entry point: one clear line and exit code 2 for bad input, never a traceback."""
     try:
