@@ -99,6 +99,7 @@ class Recorder:
         self.bwd_left: list[int] = []
         self.global_hooks = []
         self.ended = False
+        self.backward_began = 0               # a layer's backward began before the pass's own hook
         self.meta("rank", rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")), pid=os.getpid(),
                   host=socket.gethostname(), scheduled=scheduled, warmup=warmup, steps=steps,
                   config=SchedConfig.from_env().as_dict(), wall_ns=time.time_ns(), clock_ns=now())
@@ -182,6 +183,8 @@ class Recorder:
 
         def begin_backward(_grad_outputs):
             self.bwd_start[index] = now()
+            if not self.backward_began:  # the model's output node: this pre-hook ran first
+                self.backward_began = self.bwd_start[index]
             self.bwd_left[index] = len(own)
 
         def post(_module, _args, output):
@@ -220,7 +223,8 @@ class Recorder:
                 self.events.append(("P", 1, backward[0], now()))
 
         def begin_backward(_grad_outputs):
-            backward[0] = now()
+            backward[0] = self.backward_began or now()
+            self.backward_began = 0
             torch.autograd.Variable._execution_engine.queue_callback(end_backward)
 
         def pre(_module, _args):
@@ -228,6 +232,7 @@ class Recorder:
             if not self.started and self.on:
                 self.started = True
                 self.events.append(("S", self.steps_done, t))  # warm-up 0: the run's start
+            self.backward_began = 0
             if unhooked[0] is not None:
                 self._hook_ddp(unhooked.pop(), model)
                 unhooked.append(None)
