@@ -222,3 +222,17 @@ def test_replay_rules():
     finish = whatif._issue_round({0: 1.0, 1: 1.0, 2: 0.0}, [100, 100, 100], credit=100, alpha=0.5, beta=0.01,
                                  decision=0.0, link_free=0.0)
     assert finish == {2: pytest.approx(1.5), 0: pytest.approx(3.0), 1: pytest.approx(4.5)}
+
+
+def test_a_horovod_script_is_profiled_too(tmp_path):
+    pytest.importorskip("horovod.torch", reason="needs Horovod (scripts/install-horovod.sh)")
+    folder = tmp_path / "prof"
+    run_bsrun(["profile", "-o", folder, "--warmup", 1, "--steps", 2, "-np", 2, sys.executable,
+               WORKERS.parent.parent / "examples" / "train_hvd.py"], cwd=tmp_path, check=True, timeout=180)
+    trace = json.loads((folder / "trace.json").read_text())
+    for rank in (0, 1):
+        layers = {e["args"]["module"] for e in spans(trace, rank, "backward")}
+        assert layers == {"conv1", "bn1", "conv2", "bn2", "fc1", "fc2"}
+        assert spans(trace, rank, "transfer")  # bsrun schedules hvd.DistributedOptimizer
+    assert "Horovod" in trace["bsrun"]["ranks"]["1"]["clock_method"]
+    assert_nested(trace)

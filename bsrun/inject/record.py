@@ -133,9 +133,10 @@ class Recorder:
 
     # --- models -------------------------------------------------------------------------
 
-    def watch(self, top: torch.nn.Module, root: torch.nn.Module, genuine_ddp) -> None:
-        """Hook `root`'s modules and parameters; `top` (the DDP wrapper) gives the passes;
-        `genuine_ddp`: an unscheduled DDP whose buckets a comm hook times."""
+    def watch(self, top: torch.nn.Module, root: torch.nn.Module, genuine_ddp, comm: str | None = None) -> None:
+        """Hook `root`'s modules and parameters; `top` (the DDP wrapper, or the model) gives
+        the passes; `genuine_ddp`: an unscheduled DDP whose buckets a comm hook times;
+        `comm`: who communicates (default: bsrun, or the DDP hook)."""
         if self.models == 0:
             self.align_clock()
         model = self.models
@@ -162,7 +163,7 @@ class Recorder:
                                               and self.param_index[id(p)] in own],
                               root_start if module is root else None)
         self.modules += len(modules)
-        comm = "bsrun" if genuine_ddp is None else "ddp-hook"
+        comm = comm or ("bsrun" if genuine_ddp is None else "ddp-hook")
         self.meta("model", model=model, first_module=self.modules - len(modules), first_param=first_param,
                   modules=modules, params=params, comm=comm)
         self._hook_passes(top, model, genuine_ddp, root_start)
@@ -399,6 +400,10 @@ class Recorder:
 
     def align_clock(self) -> None:
         """This rank's clock minus rank 0's, from the ping-pong with the shortest round trip."""
+        hvd = sys.modules.get("horovod.torch")
+        if not (dist.is_available() and dist.is_initialized()) and hvd is not None and hvd.is_initialized() \
+                and hvd.size() > 1:
+            return self._align_clock_horovod(hvd)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             self.meta("clock", offset_ns=0, rtt_ns=0, method="single process" if dist.is_available() else "none")
             return
@@ -423,6 +428,44 @@ class Recorder:
             if best is None or t3 - t0 < best[1]:
                 best = ((t0 + t3) // 2 - int(stamp[0]), t3 - t0)
         self.meta("clock", offset_ns=best[0], rtt_ns=best[1], method=f"gloo ping-pong with rank 0, best of {CLOCK_ROUNDS}")
+
+
+    def _align_clock_horovod(self, hvd) -> None:
+        """Horovod: rank 0 broadcasts when it sent (t0), every rank notes when it got it (t1),
+        all gather when they sent (t2), rank 0 notes when it got them (t3) and broadcasts it:
+        offset = ((t1 - t0) - (t3 - t2)) / 2, from the round with the shortest round trip."""
+        rank, best = hvd.rank(), None
+        for k in range(CLOCK_ROUNDS):
+            t0 = int(hvd.broadcast(torch.tensor([now()]), root_rank=0, name=f"bsrun.clock.{k}.a")[0])
+            t1 = now()
+            t2s = hvd.allgather(torch.tensor([now()]), name=f"bsrun.clock.{k}.b")
+            t3 = int(hvd.broadcast(torch.tensor([now()]), root_rank=0, name=f"bsrun.clock.{k}.c")[0])
+            t2 = int(t2s[rank])
+            rtt = (t1 - t0) + (t3 - t2)
+            if rank != 0 and (best is None or rtt < best[1]):
+                best = (((t1 - t0) - (t3 - t2)) // 2, rtt)
+        offset, rtt = best or (0, 0)
+        self.meta("clock", offset_ns=offset, rtt_ns=rtt,
+                  method="reference" if rank == 0 else f"Horovod broadcasts with rank 0, best of {CLOCK_ROUNDS}")
+
+
+def _watch_horovod(recorder: Recorder, hvd) -> None:
+    """Horovod is given parameters, not the model: the first module a forward pass calls
+    once Horovod is initialized (the outermost, the model) is watched from then on."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def first_forward(module, _args):
+        if recorder.models or not hvd.is_initialized():
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            return
+        handle.remove()
+        from bsrun.inject import runtime
+
+        recorder.watch(module, module, None, comm="bsrun" if runtime.runtime_of(params) else "horovod")
+
+    handle = register_module_forward_pre_hook(first_forward)
 
 
 def _hard_exit(rank: int) -> None:
@@ -461,4 +504,7 @@ def install(rank: int) -> None:
     else:
         RECORDER.hook_optimizer_steps(count=True)
     _watch_ddp_construction(RECORDER)
+    from bsrun.inject.bootstrap import when_imported
+
+    when_imported("horovod.torch", lambda hvd: _watch_horovod(RECORDER, hvd))  # may still be importing
     atexit.register(RECORDER.close)

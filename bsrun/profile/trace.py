@@ -31,7 +31,8 @@ TRACE_FILE = "trace.json"
 COMPUTE, COMM, QUEUE, UPDATES = 1, 2, 3, 4
 THREADS = {COMPUTE: "compute", COMM: "communication", QUEUE: "comm queue", UPDATES: "updates"}
 COMM_KIND = {"bsrun": "bsrun scheduler (partitions)",
-             "ddp-hook": "DDP buckets, timed by a comm hook around DDP's all-reduce (bsrun not scheduling)"}
+             "ddp-hook": "DDP buckets, timed by a comm hook around DDP's all-reduce (bsrun not scheduling)",
+             "horovod": "not recorded (Horovod's own DistributedOptimizer, bsrun not scheduling)"}
 
 
 @dataclass
