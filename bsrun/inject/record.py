@@ -251,7 +251,7 @@ class Recorder:
                 if node is not None:
                     node.register_prehook(begin_backward)
 
-        top.register_forward_pre_hook(pre)
+        top.register_forward_pre_hook(pre, prepend=True)  # around the model's own hooks, when top is the model
         top.register_forward_hook(post)
 
     # --- unscheduled DDP: a timing comm hook ----------------------------------------------
