@@ -383,6 +383,8 @@ class Recorder:
         self.on = False
         self.barrier()
         self.close()
+        from bsrun.inject.trial import _hard_exit  # as a tuning trial ends: report, then leave
+
         watchdog = threading.Timer(EXIT_GRACE_S, _hard_exit, args=(self.rank,))
         watchdog.daemon = True
         watchdog.start()
@@ -466,15 +468,6 @@ def _watch_horovod(recorder: Recorder, hvd) -> None:
         recorder.watch(module, module, None, comm="bsrun" if runtime.runtime_of(params) else "horovod")
 
     handle = register_module_forward_pre_hook(first_forward)
-
-
-def _hard_exit(rank: int) -> None:
-    from bsrun.inject import report
-
-    report.write_rank_report(rank)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _watch_ddp_construction(recorder: Recorder) -> None:

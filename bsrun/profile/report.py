@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from bsrun.launch.summary import _human_bytes as _bytes
 from bsrun.profile.analysis import LAYER_KEYS
 
 
 def _ms(x: float) -> str:
     return f"{x:.2f}"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"
 
 
 def layer_table(summary: dict) -> Table:
