@@ -72,8 +72,8 @@ class TorchTransport:
             dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
             for _ in range(3))
 
-    def agree_order(self, order: list[int]) -> list[int]:
-        tensor = torch.tensor(order, dtype=torch.int64)
+    def agree(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
         dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
         return tensor.tolist()
 
@@ -121,7 +121,8 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         config = SchedConfig.from_env()
         self._bsrun_transport = TorchTransport(dist.get_process_group_ranks(self.process_group),
                                                timedelta(seconds=config.timeout))
-        self._bsrun = runtime.ModelRuntime(module.parameters(), module.modules(), config, self._bsrun_transport)
+        self._bsrun = runtime.ModelRuntime(module.named_parameters(), module.modules(), config,
+                                           self._bsrun_transport)
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
             broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,

@@ -77,9 +77,9 @@ class HorovodTransport:
         self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
         self.postscale = gradient_predivide_factor if average else 1.0
 
-    def agree_order(self, order: list[int]) -> list[int]:
-        tensor = torch.tensor(order, dtype=torch.int64)
-        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.order").tolist()
+    def agree(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
 
     def backend(self, partitions, grad_of, dtypes) -> "horovod_backend.HorovodBackend":
         return horovod_backend.HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
@@ -117,7 +117,10 @@ def DistributedOptimizer(*args, **kwargs):
         return _GENUINE(**a)
     if a["groups"] or a["num_groups"]:
         runtime.say_once("Horovod's groups are replaced by bsrun's partitions (same results)")
-    rt = runtime.ModelRuntime(params, modules, SchedConfig.from_env(),
+    names = {id(p): n for n, p in a["named_parameters"] or ()}  # else Horovod's own default names
+    named = [(names.get(id(p), f"allreduce.noname.{i}.{j}"), p)
+             for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+    rt = runtime.ModelRuntime(named, modules, SchedConfig.from_env(),
                               HorovodTransport(a["op"], a["gradient_predivide_factor"]),
                               passes_per_sync=a["backward_passes_per_step"])
     _give_horovod_methods(optimizer, rt)

@@ -3,7 +3,8 @@
 DDP's constructor builds a ScheduledDDP; every optimizer's `step()` goes to the runtime
 of the model that owns its parameters; and everything that reads parameters or
 gradients outside the scheduled path (state_dict, torch.save, gradient clipping,
-zero_grad, destroy_process_group, interpreter exit) first waits for the scheduled work.
+zero_grad, destroy_process_group, interpreter exit) first waits for the scheduled work;
+process groups get bsrun's --timeout unless the script sets one.
 With scheduling off (BSRUN_ENABLE=0) nothing is patched: DDP stays exactly as it is.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -96,6 +99,22 @@ def _patch_flush_points() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
+def _patch_default_timeout(seconds: float) -> None:
+    """bsrun's --timeout for process groups the script creates without a timeout of its
+    own, so a hung peer ends the job in minutes, not in torch's default half hour."""
+    original = dist.init_process_group
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("timeout") is None:
+            bound.arguments["timeout"] = timedelta(seconds=seconds)
+        return original(*bound.args, **bound.kwargs)
+
+    dist.init_process_group = init_process_group
+
+
 def _at_exit() -> None:
     try:
         if dist.is_initialized():
@@ -106,7 +125,8 @@ def _at_exit() -> None:
 
 
 def install() -> None:
-    if not SchedConfig.from_env().enabled:
+    config = SchedConfig.from_env()
+    if not config.enabled:
         return
     from bsrun.inject.ddp import ScheduledDDP
 
@@ -115,4 +135,5 @@ def install() -> None:
     _patch_optimizer()
     _patch_module_zero_grad()
     _patch_flush_points()
+    _patch_default_timeout(config.timeout)
     atexit.register(_at_exit)

@@ -44,6 +44,19 @@ def say_once(message: str) -> None:
             print(f"bsrun: {message}", file=sys.stderr, flush=True)
 
 
+def warn(message: str) -> None:
+    """A note from this rank, whatever its rank (say_once speaks for all from rank 0)."""
+    if message not in _NOTES:
+        _NOTES.append(message)
+        print(f"bsrun: rank {worker_rank()}: {message}", file=sys.stderr, flush=True)
+
+
+def _failed(message: str) -> str:
+    """The reason this rank is about to fail, kept for the run summary's failure line."""
+    _COUNTS["error"] = message
+    return f"bsrun: {message}"
+
+
 def set_mode(mode: str) -> None:
     """scheduled > fallback > off: the run summary reports the most scheduled model."""
     order = ("off", "fallback", "scheduled")
@@ -75,7 +88,7 @@ def counters() -> dict:
     for rt in list(RUNTIMES):
         for key, value in rt.counters().items():
             stats[key] += value
-    return {**stats, "mode": _COUNTS["mode"], "steps": _COUNTS["steps"], "notes": list(_NOTES)}
+    return {**stats, **_COUNTS, "notes": list(_NOTES)}
 
 
 def runtime_of(params) -> "ModelRuntime | None":
@@ -107,8 +120,8 @@ def _step_subset(optimizer, snapshot, items) -> None:
 class Transport(Protocol):
     """How one model's ranks talk (torch.distributed groups, or Horovod)."""
 
-    def agree_order(self, order: list[int]) -> list[int]:
-        """Rank 0's priority order, on every rank (a collective of the training thread)."""
+    def agree(self, values: list[int]) -> list[int]:
+        """Rank 0's values, on every rank (a collective of the training thread)."""
 
     def backend(self, partitions, grad_of, dtypes) -> CommBackend:
         """The scheduler's backend for these partitions."""
@@ -120,14 +133,16 @@ class Transport(Protocol):
 class ModelRuntime:
     """Scheduling state of one model's parameters."""
 
-    def __init__(self, params, modules, config, transport: Transport, passes_per_sync: int = 1):
-        """`modules`: those whose forward uses `params` (their pre-hooks are the dependency
-        proxy); `passes_per_sync`: backward passes accumulated locally per communication
-        (Horovod's backward_passes_per_step)."""
+    def __init__(self, named_params, modules, config, transport: Transport, passes_per_sync: int = 1):
+        """`named_params`: (name, parameter) pairs; `modules`: those whose forward uses them
+        (their pre-hooks are the dependency proxy); `passes_per_sync`: backward passes
+        accumulated locally per communication (Horovod's backward_passes_per_step)."""
         self.config = config
         self.transport = transport
         self.passes_per_sync = passes_per_sync
-        self.params = [p for p in params if p.requires_grad]
+        named = [(name, p) for name, p in named_params if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         n = len(self.params)
         self.accumulated = [0] * n     # backward passes since the last communication
@@ -227,9 +242,14 @@ class ModelRuntime:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
         n = len(self.params)
         order = self.first_use + [i for i in range(n) if i not in self._first_use_seen]
-        order = self.transport.agree_order(order)
+        mine = [self.config.partition, self.config.credit_bytes]
+        agreed = self.transport.agree(mine + order)
+        (partition, credit), order = agreed[:2], agreed[2:]
+        if agreed[:2] != mine:
+            warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
+                 f"({partition} B, {credit} B); every rank uses rank 0's")
         infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
-        self.partitions = plan_partitions(infos, order, self.config.partition)
+        self.partitions = plan_partitions(infos, order, partition)
         self.tensors_of = [sorted({pc.tensor for pc in part.pieces}) for part in self.partitions]
         self.waiting = [len(t) for t in self.tensors_of]
         self.partitions_of = [[] for _ in range(n)]
@@ -240,7 +260,7 @@ class ModelRuntime:
         backend = self.transport.backend(self.partitions, lambda i: self.grads[i],
                                          {str(p.dtype): p.dtype for p in self.params})
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
-                                   self.transport.credit(self.config.credit_bytes),
+                                   self.transport.credit(credit),
                                    self._on_partition_done, self._on_error,
                                    trace=TRACE.scheduler_trace(self) if TRACE is not None else None)
 
@@ -271,10 +291,16 @@ class ModelRuntime:
         with self.cv:
             while self.error is None and any(self.in_flight(i) for i in indices):
                 if not self.cv.wait(timeout=self.config.timeout):
-                    raise TimeoutError(f"bsrun: gradient communication made no progress for "
-                                       f"{self.config.timeout:g} s")
+                    raise TimeoutError(_failed(f"gradient communication made no progress for "
+                                               f"{self.config.timeout:g} s; {self._waiting_on(indices)}"))
             if self.error is not None:
-                raise RuntimeError(f"bsrun: gradient communication failed: {self.error}") from self.error
+                raise RuntimeError(_failed(f"gradient communication failed ({self._waiting_on(indices)}): "
+                                           f"{self.error}")) from self.error
+
+    def _waiting_on(self, indices) -> str:
+        i = next((i for i in indices if self.in_flight(i)), indices[0])
+        return (f"waiting for {self.names[i]} (partition {self.partitions_of[i][0]}, "
+                f"round {self.ready[i]}) from another rank")
 
     def settle(self, indices) -> None:
         """Make these parameters current: communication done, update applied, zero applied."""
@@ -356,7 +382,7 @@ class ModelRuntime:
     def close(self) -> None:
         """Stop the scheduler's threads and take the hooks off the model."""
         if self.scheduler is not None:
-            self.scheduler.close()
+            self.scheduler.close(timeout=0 if self.error else 5.0)  # a failed one may be stuck in gloo
         for handle in self._handles:
             handle.remove()
         self._handles = []  # its counters stay in RUNTIMES for the run report

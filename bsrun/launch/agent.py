@@ -29,10 +29,12 @@ def say(message: str) -> None:
     print(f"bsrun: {message}", file=sys.stderr, flush=True)
 
 
-def _describe_failure(plan: LaunchPlan, result: GroupResult) -> str | None:
+def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict) -> str | None:
     if result.failed_rank is not None:
         who = f"rank {result.failed_rank}" if plan.kind == "local" else f"'{plan.command[0]}'"
-        return f"{who} failed with exit code {result.exit_code}; the other workers were stopped"
+        why = reports.get(result.failed_rank, {}).get("error") if plan.kind == "local" else None
+        return (f"{who} failed with exit code {result.exit_code}" + (f" ({why})" if why else "")
+                + "; the other workers were stopped")
     if result.interrupted_by is not None:
         return f"stopped by {signal.Signals(result.interrupted_by).name}; all workers were stopped"
     return None
@@ -106,7 +108,7 @@ def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
     run = summary.build_summary(plan.command, plan.config, plan.kind, result.exit_code,
                                 result.exit_codes, reports, started, ended)
     summary.save_summary(run)
-    failure = _describe_failure(plan, result)
+    failure = _describe_failure(plan, result, reports)
     if failure:
         say(failure)
     print(summary.one_line(run), file=sys.stderr, flush=True)

@@ -1,0 +1,54 @@
+"""A hung or dead rank ends the job within --timeout + --grace, naming the rank (and, when
+bsrun was waiting, the tensor and partition), with no worker left behind."""
+
+import time
+
+import psutil
+import pytest
+
+from conftest import WORKERS, last_run, run_bsrun
+
+SCRIPT = WORKERS / "hang_or_die.py"
+TIMEOUT, GRACE = 3, 2
+STARTUP_S = 15  # two interpreters importing torch and building groups, on a busy 2-core machine
+
+
+def run(workdir, *args):
+    started = time.monotonic()
+    proc = run_bsrun(["--timeout", TIMEOUT, "--grace", GRACE, "-np", 2, "python", SCRIPT, *args],
+                     cwd=workdir, timeout=120)
+    return proc, time.monotonic() - started, last_run(workdir)
+
+
+def assert_no_worker_left(summary):
+    alive = [r["pid"] for r in summary["ranks"] if "pid" in r and psutil.pid_exists(r["pid"])]
+    assert not alive, f"workers still running: {alive}"
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_naming_what_bsrun_waited_for(workdir):
+    proc, elapsed, summary = run(workdir, "hang")
+    assert proc.returncode == 1
+    assert elapsed < TIMEOUT + GRACE + STARTUP_S, f"took {elapsed:.1f} s"
+    line = next(l for l in proc.stderr.splitlines() if l.startswith("bsrun: rank 0 failed with exit code 1"))
+    assert "waiting for 0.weight" in line or "waiting for 2." in line, line
+    assert "partition" in line and "round" in line
+    assert_no_worker_left(summary)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_of_a_plain_ddp_model_times_out_too(workdir):
+    """find_unused_parameters keeps DDP's own reducer: bsrun's --timeout is the group's."""
+    proc, elapsed, summary = run(workdir, "hang", "--find-unused")
+    assert proc.returncode == 1 and "bsrun: rank 0 failed with exit code 1" in proc.stderr
+    assert elapsed < TIMEOUT + GRACE + STARTUP_S, f"took {elapsed:.1f} s"
+    assert_no_worker_left(summary)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_training_ends_the_job_with_its_exit_code(workdir):
+    proc, elapsed, summary = run(workdir, "die")
+    assert proc.returncode == 137
+    assert "bsrun: rank 1 failed with exit code 137; the other workers were stopped" in proc.stderr
+    assert elapsed < GRACE + STARTUP_S
+    assert_no_worker_left(summary)

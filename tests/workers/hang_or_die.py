@@ -1,0 +1,39 @@
+"""A DDP loop in which rank 1 hangs or dies at step 3, after its backward pass.
+
+    python hang_or_die.py hang|die [--find-unused]
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    behaviour = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)),
+                find_unused_parameters="--find-unused" in sys.argv)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(100):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 10, (8,))).backward()
+        if rank == 1 and step == 3:
+            print("rank 1 stops here", flush=True)
+            if behaviour == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(600)
+        opt.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
