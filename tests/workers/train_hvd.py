@@ -8,23 +8,9 @@ import argparse
 
 import horovod.torch as hvd
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+from train_equiv import Net  # the same small CNN as the DDP equivalence tests
 
 
 def main():
@@ -42,7 +28,7 @@ def main():
     hvd.init()
     rank = hvd.rank()
     torch.manual_seed(1234 + rank)  # different initial weights: broadcast_parameters must fix them
-    model = Net()
+    model = Net(batchnorm=True)
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9, nesterov=True)
     else:
