@@ -164,8 +164,10 @@ class Recorder:
                               root_start if module is root else None)
         self.modules += len(modules)
         comm = comm or ("bsrun" if genuine_ddp is None else "ddp-hook")
+        sync = top is not root and any(True for _ in root.buffers()) and bool(
+            getattr(top, "forward_sync_buffers", getattr(top, "broadcast_buffers", False)))
         self.meta("model", model=model, first_module=self.modules - len(modules), first_param=first_param,
-                  modules=modules, params=params, comm=comm)
+                  modules=modules, params=params, comm=comm, sync_buffers=sync)
         self._hook_passes(top, model, genuine_ddp, root_start)
         if genuine_ddp is not None and self.scheduled and not self.global_hooks:
             from bsrun.inject import runtime

@@ -87,7 +87,7 @@ def overhead(models, bandwidth, modes, steps, warmup, repeat, batch, console) ->
     return rows
 
 
-def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, console) -> list[dict]:
+def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, console, keep=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bsrun-calibrate-") as scratch:
         cwd = Path(scratch)
@@ -97,7 +97,7 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
                             run_bench([model], 2, [bandwidth], ["ddp", "bsrun"], steps, warmup, repeat, batch,
                                       None, console)}
                 for source in ("ddp", "bsrun"):
-                    folder = cwd / f"prof-{model}-{bandwidth}-{source}"
+                    folder = Path(keep or cwd) / f"prof-{model}-{bandwidth}-{source}"
                     out = cwd / "unused.json"
                     cmd = profile_command(folder, model, source, bandwidth, 10000, warmup, batch, out, record_steps)
                     run_once(cmd, source, cwd, out, run_timeout_s(record_steps, warmup))
@@ -112,6 +112,7 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
                                                    p["credit"] or 8 * 2 ** 20, target == "bsrun")
                         m = measured.get(target)
                         rows.append({"model": model, "bandwidth": bandwidth, "profiled": source, "predicted_mode": target,
+                                     "profile": str(folder),
                                      "predicted_s": predicted, "measured_s": m,
                                      "profiled_step_s": p["measured_step_s"],
                                      "error_pct": None if not m else 100 * (predicted / m - 1),
@@ -143,6 +144,7 @@ def main(argv=None) -> int:
         s.add_argument("--json", dest="json_path", default=None)
     sub.choices["overhead"].add_argument("--modes", default="ddp,bsrun")
     sub.choices["whatif"].add_argument("--record-steps", type=int, default=6)
+    sub.choices["whatif"].add_argument("--keep", default=None, help="keep the profiles in this folder")
     a = p.parse_args(argv)
     console = Console(width=150)
     models = a.model.split(",")
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
         rows = [r for b in bandwidths
                 for r in overhead(models, b, a.modes.split(","), a.steps, a.warmup, a.repeat, a.batch, console)]
     else:
-        rows = validate(models, bandwidths, a.steps, a.warmup, a.repeat, a.batch, a.record_steps, console)
+        rows = validate(models, bandwidths, a.steps, a.warmup, a.repeat, a.batch, a.record_steps, console, a.keep)
     if a.json_path:
         atomic_write_json(Path(a.json_path), {"rows": rows})
     return 0

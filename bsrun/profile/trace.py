@@ -227,6 +227,7 @@ def build_trace(recordings: list[RankRecording], run: dict | None = None) -> dic
             "config": rec.info.get("config"),
             "communication": [COMM_KIND.get(c, c) for c in comm] or ["not recorded (no DDP model seen)"],
             "comm": comm,
+            "sync_buffers": any(m.get("sync_buffers") for m in rec.models),
             "layers": names.layers,
             "params": names.params,
             "partition_layout": {str(s): {"partition": m.get("partition"), "credit": m.get("credit"),

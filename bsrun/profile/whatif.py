@@ -67,7 +67,7 @@ class Model:
     update_a: float                  # s per optimizer call
     update_b: float                  # s per byte updated
     decision: float                  # s from ready everywhere (and credit) to posted
-    sync_forward: bool               # DDP's forward starts with a buffer broadcast: ranks meet there
+    sync_forward: bool               # DDP's forward broadcasts buffers first: the ranks meet there
     profiled: dict = field(default_factory=dict)  # scheduled, partition, credit, measured step (s)
 
     def as_dict(self) -> dict:
@@ -212,7 +212,7 @@ def fit(trace: dict) -> Model:
     update_a, update_b = _update_fit(views, meta["params"])
     return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
                  ranks, alpha, beta, update_a, update_b, decision,
-                 any(s.name.startswith("DDP forward sync") for v in views for s in v.waits),
+                 bool(meta.get("sync_buffers")),
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
                   "credit_spec": config.get("credit"), "transfers": len(collectives),
                   "measured_step_s": statistics.median(steps) if steps else None})
