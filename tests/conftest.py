@@ -70,18 +70,18 @@ def last_run(cwd) -> dict:
     return json.loads((Path(cwd) / ".bsrun" / "last-run.json").read_text())
 
 
-def assert_same_state(a, b, path="state"):
+def assert_same_state(a, b, path="state", atol=1e-8):
     if isinstance(a, torch.Tensor):
-        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-8), \
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=atol), \
             f"{path} differs: max abs diff {(a.double() - b.double()).abs().max().item():.3g}"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{path} keys differ: {sorted(a)} vs {sorted(b)}"
         for k in a:
-            assert_same_state(a[k], b[k], f"{path}.{k}")
+            assert_same_state(a[k], b[k], f"{path}.{k}", atol)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path} lengths differ"
         for k, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{path}[{k}]")
+            assert_same_state(x, y, f"{path}[{k}]", atol)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
