@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -61,9 +62,15 @@ def signal_when(proc, ready, signum, what, settle=0.0, timeout=30):
     return proc.returncode, err
 
 
-def bsrun_namespaces():
+def bsrun_namespaces(owner=None):
+    """The namespaces of bsrun process `owner`, or, without one, those whose owner has
+    exited: leftovers (a concurrent live run's are not)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith("bsrun-")]
+    names = [line.split()[0] for line in out.splitlines() if line.startswith("bsrun-")]
+    owners = {n: int(n.split("-")[1]) for n in names}
+    if owner is not None:
+        return [n for n in names if owners[n] == owner]
+    return [n for n in names if not psutil.pid_exists(owners[n])]
 
 
 def last_run(cwd) -> dict:

@@ -24,7 +24,7 @@ def test_ddp_across_two_emulated_hosts(workdir):
 def test_sigterm_during_an_emulated_run_removes_the_network(workdir):
     proc = start_bsrun(["--grace", 2, "--emulate-bandwidth", "500mbit", "-np", 2, "python", "-c",
                         "import time; time.sleep(60)"], workdir)
-    code, err = signal_when(proc, lambda: len(bsrun_namespaces()) == 2, signal.SIGTERM,
+    code, err = signal_when(proc, lambda: len(bsrun_namespaces(proc.pid)) == 2, signal.SIGTERM,
                             "the emulated hosts coming up", settle=1.5)  # past the rate check
     assert code == 143, err
     assert bsrun_namespaces() == []
