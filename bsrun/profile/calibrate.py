@@ -19,7 +19,6 @@ otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

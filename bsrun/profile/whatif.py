@@ -23,10 +23,15 @@ compute and communication, event by event, and returns the steady-state step tim
   ready, each all-reduced once it and the ones before it are ready on every rank; the
   backward pass ends by waiting for every bucket, then one full optimizer step.
 
+Between modes the compute changes by what scheduling costs the training thread, a
+constant per gradient tensor measured on this machine (SCHEDULING_S_PER_TENSOR); ranks
+that broadcast buffers before each forward (DDP's default, with BatchNorm) start each
+forward together.
+
 A pure function of the Model: the tuner can call it for any number of candidates.
-What it does not model: the CPU that communication takes from computation changes with
-the config (the compute times are those measured under the profiled config), and rank
-skew beyond what the per-rank compute times carry.
+What it does not model: how the CPU that communication takes from computation changes
+with the partition size or bandwidth (compute times are those measured under the
+profiled config), and rank skew beyond what the per-rank compute times carry.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ from dataclasses import asdict, dataclass, field
 from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
 from bsrun.sched.partition import TensorInfo, plan_partitions
 
+# What scheduling costs the training thread per gradient tensor and iteration (grad hooks,
+# readiness bookkeeping, the dependency proxy's checks, the comm threads' Python under the
+# GIL), beyond the updates, which are modelled on their own. Measured on this machine as
+# the compute of a bsrun profile less that of a DDP profile of the same job: ResNet-50
+# (161 tensors) 54 and 36 ms at 1 and 3 Gbit/s (BENCHMARKS.md). One profile cannot tell it
+# apart from the layers' own compute, so it is a constant.
+SCHEDULING_S_PER_TENSOR = 0.28e-3
 DDP_FIRST_BUCKET = 1024 * 1024    # torch DDP's defaults (2.x): the first bucket 1 MiB,
 DDP_BUCKET = 25 * 1024 * 1024     # the others 25 MiB
 REPLAY_ITERATIONS = 8
@@ -68,6 +80,7 @@ class Model:
     update_b: float                  # s per byte updated
     decision: float                  # s from ready everywhere (and credit) to posted
     sync_forward: bool               # DDP's forward broadcasts buffers first: the ranks meet there
+    scheduling_cost: float           # s of training-thread compute per iteration that scheduling costs
     profiled: dict = field(default_factory=dict)  # scheduled, partition, credit, measured step (s)
 
     def as_dict(self) -> dict:
@@ -208,11 +221,13 @@ def fit(trace: dict) -> Model:
     config = meta.get("config") or {}
     credit = config.get("credit_bytes") or 0
     decision = fit_decision(collectives, credit) if scheduled else alpha
-    steps = [r["step_ms"] / 1e3 for r in iterations(views)]
+    rows = iterations(views)
+    steps = [r["step_ms"] / 1e3 for r in rows]
     update_a, update_b = _update_fit(views, meta["params"])
+    scheduling_cost = SCHEDULING_S_PER_TENSOR * len(meta["params"])
     return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
                  ranks, alpha, beta, update_a, update_b, decision,
-                 bool(meta.get("sync_buffers")),
+                 bool(meta.get("sync_buffers")), scheduling_cost,
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
                   "credit_spec": config.get("credit"), "transfers": len(collectives),
                   "measured_step_s": statistics.median(steps) if steps else None})
@@ -288,10 +303,29 @@ def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[li
     return [sorted({pc.tensor for pc in part.pieces}) for part in parts], [part.nbytes for part in parts]
 
 
+def _scaled(rank: RankCompute, factor: float) -> RankCompute:
+    return RankCompute(rank.before_forward * factor, rank.forward * factor,
+                       {k: v * factor for k, v in rank.forward_at.items()}, rank.before_backward * factor,
+                       rank.backward * factor, {k: v * factor for k, v in rank.ready_at.items()},
+                       rank.after_backward * factor)
+
+
+def compute_for(model: Model, scheduled: bool) -> list[RankCompute]:
+    """Each rank's compute under the mode replayed: as profiled, less or plus the cost of
+    scheduling when the profile and the replay differ in mode (stretched evenly)."""
+    change = model.scheduling_cost * (int(scheduled) - int(bool(model.profiled.get("scheduled"))))
+    out = []
+    for rank in model.ranks:
+        measured = rank.before_forward + rank.forward + rank.before_backward + rank.backward + rank.after_backward
+        out.append(_scaled(rank, (measured + change) / measured) if change and measured > 0 else rank)
+    return out
+
+
 def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bool,
                    iterations: int = REPLAY_ITERATIONS) -> dict:
     """The replay: rank 0's step times, iteration by iteration, and their steady-state median."""
     params = model.params
+    ranks = compute_for(model, scheduled)
     groups, sizes = layout(model, partition_bytes, scheduled)
     index = {p["name"]: i for i, p in enumerate(params)}
     group_of: dict[int, list[int]] = {}
@@ -301,16 +335,16 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
     layer_deps = {layer: sorted({g for n in names if n in index for g in group_of.get(index[n], [])})
                   for layer, names in model.layer_params.items()}
     done_at = {g: 0.0 for g in range(len(groups))}
-    pending: list[set[int]] = [set() for _ in model.ranks]
-    starts = [0.0] * len(model.ranks)
-    boundaries: list[list[float]] = [[0.0] for _ in model.ranks]
+    pending: list[set[int]] = [set() for _ in ranks]
+    starts = [0.0] * len(ranks)
+    boundaries: list[list[float]] = [[0.0] for _ in ranks]
     link_free = 0.0
     for _ in range(iterations):
         ends, ready = [], {}
-        begins = [start + rank.before_forward for start, rank in zip(starts, model.ranks)]
+        begins = [start + rank.before_forward for start, rank in zip(starts, ranks)]
         if model.sync_forward:  # the buffer broadcast: every rank starts with the last one
             begins = [max(begins)] * len(begins)
-        for r, rank in enumerate(model.ranks):
+        for r, rank in enumerate(ranks):
             t = _forward(rank, begins[r], layer_deps, done_at, pending[r], model, sizes)
             b0 = t + rank.before_backward
             for g, members in enumerate(groups):
@@ -326,7 +360,7 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
                 start = max(posted + model.decision, link_free)
                 link_free = done_at[g] = start + model.alpha + model.beta * sizes[g]
         link_free = max(done_at.values(), default=link_free)
-        for r, rank in enumerate(model.ranks):
+        for r, rank in enumerate(ranks):
             t = ends[r]
             if scheduled:  # step(): update what has arrived, leave the rest to the next forward
                 arrived = [g for g in done_at if done_at[g] <= t]
