@@ -62,7 +62,7 @@ def model_lines(summary: dict) -> list[str]:
 
 def whatif_table(rows: list[dict]) -> Table:
     table = Table(title="what-if (replay of the profile)")
-    for col in ("config", "predicted step (ms)", "collectives", "vs profiled"):
+    for col in ("config", "predicted step (ms)", "collectives", "speedup vs profiled"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         table.add_row(r["config"], f"{r['predicted_ms']:.1f}", str(r["collectives"]),
