@@ -62,6 +62,9 @@ def launch_options(f):
         click.option("--credit", default=None, help=knob_help["credit"]),
         click.option("--schedule/--no-schedule", "schedule", default=None, help=knob_help["enabled"]),
         click.option("--timeout", default=None, help=knob_help["timeout"]),
+        click.option("--order", default=None, help=knob_help["order"]),
+        click.option("--arch", default=None, help=knob_help["arch"]),
+        click.option("--servers", default=None, help=knob_help["servers"]),
         click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
                      default=None, help="TOML file of knobs (partition = \"4MB\", ...)"),
         click.option("--grace", type=float, default=10.0, show_default=True,
@@ -88,7 +91,8 @@ def job_of(command, nproc, network) -> tuple[str, list[str]]:
 
 
 def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace,
-                   emulate_bandwidth=None, emulate_latency=None, use_tuned=True):
+                   emulate_bandwidth=None, emulate_latency=None, use_tuned=True, order=None, arch=None,
+                   servers=None):
     """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line."""
     from bsrun.launch.plan import NetworkSpec, make_plan
 
@@ -100,8 +104,8 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
             netem.parse_rate(emulate_bandwidth) if emulate_bandwidth is not None else None,
             netem.parse_latency(emulate_latency) if emulate_latency is not None else None)
 
-    flags = {"partition": partition, "credit": credit, "timeout": timeout,
-             "enabled": None if schedule is None else str(schedule)}
+    flags = {"partition": partition, "credit": credit, "timeout": timeout, "order": order, "arch": arch,
+             "servers": servers, "enabled": None if schedule is None else str(schedule)}
     tuned = load_tuned(job_of(command, nproc, network)[0]) if use_tuned else None
     config = resolve(flags, config_file, tuned=tuned)
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)

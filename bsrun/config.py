@@ -44,6 +44,9 @@ def parse_size(text: str) -> int:
     return value
 
 
+UNLIMITED_CREDIT = 2**62
+
+
 @dataclass(frozen=True)
 class Credit:
     """The credit window: a byte count, or a multiple of the partition size (`4x`)."""
@@ -83,6 +86,48 @@ def parse_bool(text: str) -> bool:
     raise ValueError("one of 1/0, true/false, yes/no, on/off")
 
 
+def parse_partition(text: str) -> int:
+    """A size, or `tensor`: one partition per gradient tensor, none cut or fused (0)."""
+    if str(text).strip().lower() in ("tensor", "0"):
+        return 0
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError("a size such as 4MB, or tensor") from None
+
+
+ARCHS = ("allreduce", "ps")
+ORDERS = ("forward", "tic", "tac", "fifo")
+
+
+def parse_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = str(text).strip().lower()
+        if value not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+def parse_order(text: str) -> str:
+    """forward, tic, fifo, or tac / tac:DIR (the profile whose times TAC orders by)."""
+    name, _, folder = str(text).strip().partition(":")
+    parse_choice(ORDERS)(name)
+    if folder and name != "tac":
+        raise ValueError("forward, tic, fifo, tac or tac:PROFILE_DIR")
+    return f"{name.lower()}:{folder}" if folder else name.lower()
+
+
+def parse_count(text: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ValueError("a whole number such as 2") from None
+    if value < 1:
+        raise ValueError("at least 1")
+    return value
+
+
 def parse_seconds(text: str) -> float:
     m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min)?\s*$", str(text))
     if not m:
@@ -106,12 +151,21 @@ class Knob:
 KNOBS: tuple[Knob, ...] = (
     Knob("enabled", "--schedule/--no-schedule", "BSRUN_ENABLE", parse_bool, "1",
          "schedule gradient communication; --no-schedule runs the same launch as the baseline"),
-    Knob("partition", "--partition", "BSRUN_PARTITION", parse_size, "4MiB",
-         "largest piece of gradient sent in one collective (4MB, 512KiB, bytes)"),
+    Knob("partition", "--partition", "BSRUN_PARTITION", parse_partition, "4MiB",
+         "largest piece of gradient sent in one collective (4MB, 512KiB, bytes; "
+         "tensor: each tensor whole, and a credit given as a multiple is then unlimited)"),
     Knob("credit", "--credit", "BSRUN_CREDIT", parse_credit, "2x",
          "most bytes in flight at once (16MB) or a multiple of the partition (4x)"),
     Knob("timeout", "--timeout", "BSRUN_TIMEOUT", parse_seconds, "300",
          "seconds a collective may take before the job is ended as hung"),
+    Knob("order", "--order", "BSRUN_ORDER", parse_order, "forward",
+         "transfer priority: forward (first use in the next forward pass), tic (TicTac, from "
+         "the dependency graph), tac[:PROFILE_DIR] (TicTac, from a profile's times; default "
+         "the newest), fifo (as gradients become ready)"),
+    Knob("arch", "--arch", "BSRUN_ARCH", parse_choice(ARCHS), "allreduce",
+         "allreduce, or ps: workers push partitions to parameter servers and pull the sums"),
+    Knob("servers", "--servers", "BSRUN_SERVERS", parse_count, "1",
+         "parameter servers with --arch ps (each its own host on an emulated network)"),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 TUNABLE = ("partition", "credit")
@@ -123,10 +177,16 @@ class SchedConfig:
     partition: int
     credit: Credit
     timeout: float
+    order: str = "forward"
+    arch: str = "allreduce"
+    servers: int = 1
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def credit_bytes(self) -> int:
+        """With whole tensors (partition 0) a multiple has nothing to multiply: no limit."""
+        if self.partition == 0 and self.credit.times is not None:
+            return UNLIMITED_CREDIT
         return self.credit.resolve(self.partition)
 
     def fixed_by_user(self) -> set[str]:
@@ -136,14 +196,16 @@ class SchedConfig:
     def to_env(self) -> dict[str, str]:
         """The BSRUN_* variables that make a worker see exactly this config."""
         values = {"enabled": "1" if self.enabled else "0", "partition": str(self.partition),
-                  "credit": str(self.credit), "timeout": f"{self.timeout:g}"}
+                  "credit": str(self.credit), "timeout": f"{self.timeout:g}", "order": self.order,
+                  "arch": self.arch, "servers": str(self.servers)}
         env = {KNOB_BY_NAME[n].env: v for n, v in values.items()}
         env["BSRUN_CONFIG_SOURCES"] = json.dumps(self.sources, sort_keys=True)
         return env
 
     def as_dict(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "partition": self.partition, "credit": str(self.credit),
-                "credit_bytes": self.credit_bytes, "timeout": self.timeout, "sources": dict(self.sources)}
+                "credit_bytes": self.credit_bytes, "timeout": self.timeout, "order": self.order,
+                "arch": self.arch, "servers": self.servers, "sources": dict(self.sources)}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "SchedConfig":
@@ -248,6 +310,13 @@ TRIAL_ID_ENV = "BSRUN_TRIAL_ID"          # the trial's number in the journal (fo
 PROFILE_DIR_ENV = "BSRUN_PROFILE_DIR"        # each rank appends its recording to rank-<r>.jsonl here
 PROFILE_WARMUP_ENV = "BSRUN_PROFILE_WARMUP"  # optimizer steps before recording starts
 PROFILE_STEPS_ENV = "BSRUN_PROFILE_STEPS"    # recorded steps; the job ends after warm-up + these
+
+# --arch ps: where workers and parameter servers meet (bsrun/sched/ps_protocol.py).
+PS_ADDR_ENV = "BSRUN_PS_ADDR"        # server 0's address: it holds the group's store
+PS_PORT_ENV = "BSRUN_PS_PORT"
+PS_WORKERS_ENV = "BSRUN_PS_WORKERS"  # N: workers are ranks 0..N-1 of the group
+PS_SERVERS_ENV = "BSRUN_PS_SERVERS"  # K: servers are ranks N..N+K-1
+PS_RANK_ENV = "BSRUN_PS_RANK"        # a server's rank in the group
 
 
 def worker_setting(name: str, env: Mapping[str, str] = os.environ) -> str | None:

@@ -20,6 +20,8 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
 from bsrun.inject import runtime
+from bsrun.sched.ps_backend import PSBackend
+from bsrun.sched.ps_protocol import Group
 from bsrun.sched.torch_backend import TorchDistBackend
 
 _SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
@@ -27,7 +29,7 @@ _UNSUPPORTED_ARGS = ("device_ids", "output_device", "mixed_precision", "device_m
                      "delay_all_reduce_named_params", "param_to_hook_all_reduce")
 
 
-def fallback_reason(module: torch.nn.Module, args: dict) -> str | None:
+def fallback_reason(module: torch.nn.Module, args: dict, config: SchedConfig) -> str | None:
     """Why this DDP must stay plain DDP, or None when bsrun can schedule it exactly."""
     if args["find_unused_parameters"]:
         return "find_unused_parameters=True"
@@ -37,6 +39,8 @@ def fallback_reason(module: torch.nn.Module, args: dict) -> str | None:
     group = args["process_group"] or dist.distributed_c10d._get_default_group()
     if dist.get_backend(group) != "gloo":
         return f"the {dist.get_backend(group)} backend (bsrun schedules gloo process groups)"
+    if config.arch == "ps" and dist.get_world_size(group) != dist.get_world_size():
+        return "--arch ps with a process group of only some ranks (the servers serve the whole job)"
     params = [p for p in module.parameters() if p.requires_grad]
     if any(p.device.type != "cpu" for p in params):
         return "parameters not on the CPU"
@@ -84,6 +88,27 @@ class TorchTransport:
         return credit_bytes
 
 
+_PS_GROUP: list[Group] = []  # this worker's place among workers and servers, made once
+
+
+class PSTransport(TorchTransport):
+    """--arch ps: the ranks agree and negotiate as for all-reduce; the bytes go to the
+    parameter servers. Each model of the process is a numbered model on the servers."""
+
+    models = 0
+
+    def __init__(self, ranks: list[int], timeout: timedelta):
+        super().__init__(ranks, timeout)
+        if not _PS_GROUP:
+            _PS_GROUP.append(Group.from_env(dist.get_rank(), timeout))
+        self.group = _PS_GROUP[0]
+        self.model = PSTransport.models
+        PSTransport.models += 1
+
+    def backend(self, partitions, grad_of, dtypes) -> PSBackend:
+        return PSBackend(self.group, self.model, self.negotiation_group, partitions, grad_of, dtypes)
+
+
 class _AnyDDP(type(DistributedDataParallel)):
     """Scripts hold `DistributedDataParallel` as it was looked up after our patch, i.e.
     ScheduledDDP; `isinstance(model, DDP)` must still hold for a model that fell back to
@@ -103,7 +128,8 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         bound.apply_defaults()
         a = bound.arguments
         module = a["module"]
-        reason = fallback_reason(module, a)
+        config = SchedConfig.from_env()
+        reason = fallback_reason(module, a, config)
         if reason is not None:
             runtime.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
             runtime.set_mode("fallback")
@@ -118,9 +144,9 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         self.forward_sync_buffers = (a["forward_sync_buffers"] if a["forward_sync_buffers"] is not None
                                      else a["broadcast_buffers"] if a["broadcast_buffers"] is not None
                                      else True)
-        config = SchedConfig.from_env()
-        self._bsrun_transport = TorchTransport(dist.get_process_group_ranks(self.process_group),
-                                               timedelta(seconds=config.timeout))
+        transport = PSTransport if config.arch == "ps" else TorchTransport
+        self._bsrun_transport = transport(dist.get_process_group_ranks(self.process_group),
+                                          timedelta(seconds=config.timeout))
         self._bsrun = runtime.ModelRuntime(module.named_parameters(), module.modules(), config,
                                            self._bsrun_transport)
         self.modules_buffers = list(module.buffers())

@@ -120,7 +120,11 @@ def DistributedOptimizer(*args, **kwargs):
     names = {id(p): n for n, p in a["named_parameters"] or ()}  # else Horovod's own default names
     named = [(names.get(id(p), f"allreduce.noname.{i}.{j}"), p)
              for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
-    rt = runtime.ModelRuntime(named, modules, SchedConfig.from_env(),
+    config = SchedConfig.from_env()
+    if config.arch == "ps":
+        runtime.say_once("--arch ps serves DistributedDataParallel models; this Horovod optimizer "
+                         "is scheduled over Horovod's all-reduce")
+    rt = runtime.ModelRuntime(named, modules, config,
                               HorovodTransport(a["op"], a["gradient_predivide_factor"]),
                               passes_per_sync=a["backward_passes_per_step"])
     _give_horovod_methods(optimizer, rt)

@@ -30,6 +30,8 @@ def say(message: str) -> None:
 
 
 def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict) -> str | None:
+    if result.failed_service is not None:
+        return f"{result.failed_service} failed with exit code {result.service_code}; the workers were stopped"
     if result.failed_rank is not None:
         who = f"rank {result.failed_rank}" if plan.kind == "local" else f"'{plan.command[0]}'"
         why = reports.get(result.failed_rank, {}).get("error") if plan.kind == "local" else None
@@ -76,10 +78,10 @@ def launch(plan: LaunchPlan) -> int:
             from bsrun.launch.netem import EmulatedNetwork
 
             spec = plan.network
-            with EmulatedNetwork(plan.nproc, spec.rate_bps, spec.latency_s) as net:
-                if plan.nproc > 1 and spec.rate_bps:
+            with EmulatedNetwork(plan.hosts, spec.rate_bps, spec.latency_s) as net:
+                if plan.hosts > 1 and spec.rate_bps:
                     achieved = net.measure_rate(seconds=0.5)
-                    say(f"emulated network: {plan.nproc} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
+                    say(f"emulated network: {plan.hosts} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
                         f"measured {achieved / 1e9:.3g} Gbit/s")
                 return _launch_on(plan, net, stop)
     except Interrupted as e:

@@ -13,15 +13,18 @@ import os
 import re
 import shutil
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import bsrun
-from bsrun.config import ACTIVE_ENV, PACKAGE_ROOT_ENV, REPORT_DIR_ENV, SchedConfig
+from bsrun.config import (ACTIVE_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV, PS_SERVERS_ENV,
+                          PS_WORKERS_ENV, REPORT_DIR_ENV, SchedConfig)
 from bsrun.errors import BsrunError
 from bsrun.inject import SITE_DIR
 from bsrun.launch.workers import WorkerSpec
 
+PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
 FOREIGN_LAUNCHERS = ("torchrun", "horovodrun", "mpirun", "mpiexec")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 
@@ -89,6 +92,17 @@ class LaunchPlan:
     base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     report_dir: Path | None = None  # made by the agent at launch time
     network: NetworkSpec | None = None  # emulated hosts, one per rank
+    ps_port: int = 0  # --arch ps: the port of server 0's store
+
+    @property
+    def servers(self) -> int:
+        """Parameter servers this launch starts (--arch ps, local launches only)."""
+        return self.config.servers if self.config.arch == "ps" and self.kind == "local" else 0
+
+    @property
+    def hosts(self) -> int:
+        """Emulated hosts: one per worker, then one per server."""
+        return self.nproc + self.servers
 
     def injection_env(self) -> dict[str, str]:
         """The environment that switches bsrun on in every Python process below."""
@@ -96,7 +110,7 @@ class LaunchPlan:
         user_path = env.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR)] + ([user_path] if user_path else []))
         env[ACTIVE_ENV] = "1"
-        env[PACKAGE_ROOT_ENV] = str(Path(bsrun.__file__).resolve().parent.parent)
+        env[PACKAGE_ROOT_ENV] = str(PACKAGE_ROOT)
         if self.report_dir is not None:
             env[REPORT_DIR_ENV] = str(self.report_dir)
         env.update(self.config.to_env())
@@ -113,9 +127,34 @@ class LaunchPlan:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N workers share the cores
         return env
 
+    def ps_env(self, net=None) -> dict[str, str]:
+        """Where the workers and the servers meet (server 0 holds the store)."""
+        if not self.servers:
+            return {}
+        return {PS_ADDR_ENV: net.hosts[self.nproc].addr if net is not None else "127.0.0.1",
+                PS_PORT_ENV: str(self.ps_port), PS_WORKERS_ENV: str(self.nproc), PS_SERVERS_ENV: str(self.servers)}
+
+    def server_specs(self, net=None) -> list[WorkerSpec]:
+        """The parameter servers, ranks nproc.. of the PS group; not injected (they run no script)."""
+        specs = []
+        for s in range(self.servers):
+            rank = self.nproc + s
+            env = dict(self.base_env, **self.ps_env(net), **{PS_RANK_ENV: str(rank)})
+            user_path = self.base_env.get("PYTHONPATH")
+            env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([user_path] if user_path else []))
+            env.setdefault("OMP_NUM_THREADS", "1")
+            argv = [sys.executable, "-m", "bsrun.sched.ps_server"]
+            if net is not None:
+                argv = net.wrap(rank, argv)
+                env.update(net.env_for(rank))
+            specs.append(WorkerSpec(rank=rank, argv=argv, env=env, prefix=f"[server {s}] ",
+                                    service=f"parameter server {s}"))
+        return specs
+
     def worker_specs(self, net=None, horovod=None) -> list[WorkerSpec]:
         """One spec per process; on an emulated network `net`, each rank in its own host;
-        with a HorovodRendezvous `horovod`, Horovod's variables too."""
+        with a HorovodRendezvous `horovod`, Horovod's variables too; with --arch ps, the
+        servers too."""
         if self.kind == "wrap":
             return [WorkerSpec(rank=0, argv=list(self.command), env=self.injection_env())]
         specs = []
@@ -126,8 +165,9 @@ class LaunchPlan:
                 env.update(net.env_for(r), MASTER_ADDR=net.master_addr)
             if horovod is not None:
                 env.update(horovod.env_for(r))
-            specs.append(WorkerSpec(rank=r, argv=argv, env=env, prefix=f"[{r}] " if self.nproc > 1 else None))
-        return specs
+            env.update(self.ps_env(net))
+            specs.append(WorkerSpec(rank=r, argv=argv, env=env, prefix=f"[{r}] " if self.hosts > 1 else None))
+        return specs + self.server_specs(net)
 
 
 def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
@@ -141,7 +181,11 @@ def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
                              f"takes its own process count")
         if network is not None:
             raise BsrunError("--emulate-bandwidth goes with `-np N python ...` (bsrun's own launcher)")
+        if config.arch == "ps":
+            raise BsrunError("--arch ps goes with `-np N python ...`: bsrun starts the servers itself")
         return LaunchPlan(command, "wrap", 1, config, grace)
+    if config.arch == "ps" and config.enabled is False:
+        raise BsrunError("--arch ps schedules through parameter servers; it cannot go with --no-schedule")
     check_python_command(command)
-    return LaunchPlan(command, "local", nproc or 1, config, grace,
-                      master_port=free_port(), network=network)
+    return LaunchPlan(command, "local", nproc or 1, config, grace, master_port=free_port(), network=network,
+                      ps_port=free_port() if config.arch == "ps" else 0)

@@ -4,6 +4,10 @@ A `WorkerGroup` owns its children: each runs in its own session (so its own proc
 group), which lets us signal a worker together with everything it started, and
 nothing but what we started. The first worker that fails ends the group: the others get
 SIGTERM, then SIGKILL after the grace period, as torchrun's agent does.
+
+Services (parameter servers) are processes that serve the workers: they start first, one
+that fails ends the group like a failing worker, and they are stopped once every worker
+has exited. Their exit codes are not the job's.
 """
 
 from __future__ import annotations
@@ -23,16 +27,25 @@ class WorkerSpec:
     argv: list[str]
     env: dict[str, str]
     prefix: str | None = None  # "[0] " to tag each output line with the rank; None: pass through
+    service: str | None = None  # a service's name ("parameter server 0"); None for a worker
+
+    @property
+    def name(self) -> str:
+        return self.service or f"rank {self.rank}"
 
 
 @dataclass
 class GroupResult:
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
-    failed_rank: int | None = None
+    exit_codes: dict[int, int | None] = field(default_factory=dict)  # of the workers, by rank
+    failed_rank: int | None = None   # the worker that failed first
+    failed_service: str | None = None  # or the service
+    service_code: int | None = None    # and its exit code
     interrupted_by: int | None = None  # the signal that stopped bsrun, if any
 
     @property
     def exit_code(self) -> int:
+        if self.failed_service is not None:
+            return self.service_code
         if self.failed_rank is not None:
             return self.exit_codes[self.failed_rank]
         if self.interrupted_by is not None:
@@ -58,12 +71,12 @@ class WorkerGroup:
         self.specs = specs
         self.grace = grace
         self.poll = poll
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen] = {}  # by rank; services (keyed after the ranks) first
         self._pumps: list[threading.Thread] = []
         self._stop_signal: int | None = None
 
     def start(self) -> None:
-        for spec in self.specs:
+        for spec in sorted(self.specs, key=lambda s: s.service is None):
             piped = spec.prefix is not None
             try:
                 proc = subprocess.Popen(
@@ -88,15 +101,23 @@ class WorkerGroup:
     def wait(self, on_tick=None) -> GroupResult:
         """Watch until all exit, one fails, or a stop is requested; always tear down."""
         result = GroupResult()
+        services = {s.rank: s.service for s in self.specs if s.service is not None}
+        workers = [s.rank for s in self.specs if s.service is None]
         try:
             while True:
                 for rank, proc in self.procs.items():
                     code = proc.poll()
-                    if code is not None and rank not in result.exit_codes:
-                        result.exit_codes[rank] = returncode_to_exit(code)
-                        if code != 0 and result.failed_rank is None:
-                            result.failed_rank = rank
-                if result.failed_rank is not None or len(result.exit_codes) == len(self.procs):
+                    if code is not None:
+                        result.exit_codes.setdefault(rank, returncode_to_exit(code))
+                if all(result.exit_codes.get(r) == 0 for r in workers):
+                    break  # the job is done; services that ended with their peers do not count
+                dead = [r for r in services if result.exit_codes.get(r, 0) != 0]
+                failed = [r for r in workers if result.exit_codes.get(r, 0) != 0]
+                if dead:  # a dead server is the cause of the workers' failures, not their effect
+                    result.failed_service, result.service_code = services[dead[0]], result.exit_codes[dead[0]]
+                    break
+                if failed:
+                    result.failed_rank = failed[0]
                     break
                 if self._stop_signal is not None:
                     result.interrupted_by = self._stop_signal
@@ -108,6 +129,8 @@ class WorkerGroup:
             self.stop()
         for rank, proc in self.procs.items():
             result.exit_codes.setdefault(rank, returncode_to_exit(proc.returncode))
+        for rank in services:
+            del result.exit_codes[rank]
         for t in self._pumps:
             t.join(timeout=2)
         return result

@@ -4,7 +4,8 @@ Tensors are taken in priority order (first use in the forward pass). A tensor la
 than the partition size is cut into near-equal pieces no larger than it (zero-copy slices
 of the flattened gradient); consecutive small tensors of one dtype are fused into one
 partition up to the partition size, so a model of many small tensors does not pay one
-collective's latency for each. Partition ids are assigned in priority order, so
+collective's latency for each. A partition size of 0 keeps every tensor whole and
+alone (the unscheduled baselines' granularity). Partition ids are assigned in priority order, so
 "lowest id first" is the whole priority rule and ties cannot happen.
 """
 
@@ -58,6 +59,9 @@ def plan_partitions(tensors: list[TensorInfo], order: list[int], partition_bytes
         info = tensors[index]
         nbytes = info.numel * info.element_size
         if nbytes == 0:
+            continue
+        if partition_bytes == 0:
+            partitions.append(Partition(len(partitions), (Piece(index, 0, info.numel),), nbytes, info.dtype))
             continue
         if nbytes > partition_bytes:
             close_group()
