@@ -90,6 +90,16 @@ def job_of(command, nproc, network) -> tuple[str, list[str]]:
     return job_signature(list(command), nproc or 1, hosts), hosts
 
 
+def tac_profile(order: str) -> Path:
+    """The profile TAC orders by: the folder named in tac:DIR, else the newest one."""
+    from bsrun.profile.command import latest_folder
+
+    folder = Path(order.partition(":")[2]) if ":" in order else latest_folder()
+    if not (folder / "trace.json").is_file():
+        raise BsrunError(f"--order tac needs a profile: no trace.json in {folder}; run `bsrun profile ...` first")
+    return folder.resolve()
+
+
 def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace,
                    emulate_bandwidth=None, emulate_latency=None, use_tuned=True, order=None, arch=None,
                    servers=None):
@@ -108,6 +118,8 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
              "servers": servers, "enabled": None if schedule is None else str(schedule)}
     tuned = load_tuned(job_of(command, nproc, network)[0]) if use_tuned else None
     config = resolve(flags, config_file, tuned=tuned)
+    if config.order.startswith("tac"):
+        config.order = f"tac:{tac_profile(config.order)}"
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)
     if any(s.startswith("tuned") for s in config.sources.values()):
         fixed = ", ".join(f"{n}={getattr(config, n)}" for n, s in config.sources.items() if s.startswith("tuned"))

@@ -26,6 +26,7 @@ import torch
 
 from bsrun.inject import optim
 from bsrun.inject.bootstrap import world_size, worker_rank
+from bsrun.inject.order import DependencyCounter, transfer_order
 from bsrun.sched.core import CommBackend, Scheduler
 from bsrun.sched.partition import TensorInfo, plan_partitions
 
@@ -160,6 +161,7 @@ class ModelRuntime:
         self.scheduler: Scheduler | None = None
         self._seen_this_backward: set[int] = set()
         self._handles = []
+        self.dependencies = DependencyCounter(self.index) if config.order == "tic" else None
         self._register_hooks(modules)
         RUNTIMES.add(self)
 
@@ -174,6 +176,9 @@ class ModelRuntime:
                     lambda _m, _inputs, owned=owned: self.before_forward(owned)))
                 self._handles.append(module.register_state_dict_pre_hook(
                     lambda *_args: self.flush()))
+                if self.dependencies is not None:
+                    self._handles.append(module.register_forward_hook(
+                        lambda _m, _inputs, output, owned=owned: self._note_output(owned, output)))
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -184,6 +189,10 @@ class ModelRuntime:
                     self._first_use_seen.add(i)
                     self.first_use.append(i)
         self.settle(owned)
+
+    def _note_output(self, owned: list[int], output) -> None:
+        if self.partitions is None:  # until the order is fixed
+            self.dependencies.module_output(owned, output)
 
     def _on_grad(self, param) -> None:
         if not self.sync_backward:
@@ -241,7 +250,7 @@ class ModelRuntime:
     def _start(self) -> None:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
         n = len(self.params)
-        order = self.first_use + [i for i in range(n) if i not in self._first_use_seen]
+        order = self._transfer_order(self.first_use + [i for i in range(n) if i not in self._first_use_seen])
         mine = [self.config.partition, self.config.credit_bytes]
         agreed = self.transport.agree(mine + order)
         (partition, credit), order = agreed[:2], agreed[2:]
@@ -263,6 +272,17 @@ class ModelRuntime:
                                    self.transport.credit(credit),
                                    self._on_partition_done, self._on_error,
                                    trace=TRACE.scheduler_trace(self) if TRACE is not None else None)
+
+    def _transfer_order(self, forward: list[int]) -> list[int]:
+        """--order's priority; rank 0's wins at agreement."""
+        try:
+            return transfer_order(self.config.order, forward, self.names, self.dependencies)
+        except (OSError, ValueError, KeyError) as e:
+            say_once(f"--order {self.config.order}: {e}; using the forward order")
+            return forward
+        finally:
+            if self.dependencies is not None:
+                self.dependencies.release()
 
     def _on_partition_done(self, pid: int) -> None:  # comm thread
         finished = []
