@@ -112,6 +112,7 @@ def start():
     debug(f"bootstrap in pid {os.getpid()}")
     when_imported("torch", _install_torch_patches)
     when_imported("horovod.torch", _install_horovod_patches)
-    from bsrun.inject import report
+    from bsrun.inject import heartbeat, report
 
+    heartbeat.start(rank)
     atexit.register(report.write_rank_report, rank)

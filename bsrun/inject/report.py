@@ -6,6 +6,7 @@ from pathlib import Path
 
 from bsrun.config import REPORT_DIR_ENV, worker_setting
 from bsrun.fsutil import atomic_write_json
+from bsrun.inject import heartbeat
 
 
 def rank_report(rank: int) -> dict:
@@ -18,6 +19,8 @@ def rank_report(rank: int) -> dict:
 
 
 def write_rank_report(rank: int) -> None:
+    """At exit (also os._exit's, which call it first): the report, and the heartbeat stops."""
+    heartbeat.stop()
     folder = worker_setting(REPORT_DIR_ENV)
     if not folder or not os.path.isdir(folder):
         return

@@ -16,6 +16,7 @@ from pathlib import Path
 from bsrun.launch import summary
 from bsrun.launch.horovod import horovod_installed, rendezvous_for
 from bsrun.launch.plan import LaunchPlan
+from bsrun.launch.watchdog import Watchdog
 from bsrun.launch.workers import GroupResult, WorkerGroup
 
 
@@ -29,7 +30,11 @@ def say(message: str) -> None:
     print(f"bsrun: {message}", file=sys.stderr, flush=True)
 
 
-def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict) -> str | None:
+def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict, watchdog: Watchdog) -> str | None:
+    if result.hung_rank is not None:
+        return (f"rank {result.hung_rank} stopped responding (no heartbeat for {watchdog.hung[1]:.0f} s, "
+                f"--timeout {plan.config.timeout:g}: stuck in native code that holds the Python lock, "
+                f"or stopped); the workers were stopped")
     if result.failed_service is not None:
         return f"{result.failed_service} failed with exit code {result.service_code}; the workers were stopped"
     if result.failed_rank is not None:
@@ -100,17 +105,18 @@ def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
     plan.report_dir = new_report_dir()
     with _horovod_rendezvous(plan, net) as horovod:
         group = WorkerGroup(plan.worker_specs(net, horovod), grace=plan.grace)
+        watchdog = Watchdog(plan.report_dir, plan.config.timeout)
         started = time.time()
         stop.group = group
         group.start()
-        result = group.wait()
+        result = group.wait(watchdog)
     ended = time.time()
     reports = summary.read_rank_reports(plan.report_dir)
     shutil.rmtree(plan.report_dir, ignore_errors=True)
     run = summary.build_summary(plan.command, plan.config, plan.kind, result.exit_code,
                                 result.exit_codes, reports, started, ended)
     summary.save_summary(run)
-    failure = _describe_failure(plan, result, reports)
+    failure = _describe_failure(plan, result, reports, watchdog)
     if failure:
         say(failure)
     print(summary.one_line(run), file=sys.stderr, flush=True)

@@ -40,10 +40,13 @@ class GroupResult:
     failed_rank: int | None = None   # the worker that failed first
     failed_service: str | None = None  # or the service
     service_code: int | None = None    # and its exit code
+    hung_rank: int | None = None       # the rank the watchdog found hung
     interrupted_by: int | None = None  # the signal that stopped bsrun, if any
 
     @property
     def exit_code(self) -> int:
+        if self.hung_rank is not None:
+            return 1
         if self.failed_service is not None:
             return self.service_code
         if self.failed_rank is not None:
@@ -98,8 +101,9 @@ class WorkerGroup:
         """Called from bsrun's signal handler: the watch loop tears the group down."""
         self._stop_signal = signum
 
-    def wait(self, on_tick=None) -> GroupResult:
-        """Watch until all exit, one fails, or a stop is requested; always tear down."""
+    def wait(self, watchdog=None) -> GroupResult:
+        """Watch until all exit, one fails, the watchdog finds a rank hung, or a stop is
+        requested; always tear down."""
         result = GroupResult()
         services = {s.rank: s.service for s in self.specs if s.service is not None}
         workers = [s.rank for s in self.specs if s.service is None]
@@ -122,8 +126,9 @@ class WorkerGroup:
                 if self._stop_signal is not None:
                     result.interrupted_by = self._stop_signal
                     break
-                if on_tick is not None:
-                    on_tick()
+                if watchdog is not None and (hung := watchdog.check()) is not None:
+                    result.hung_rank = hung
+                    break
                 time.sleep(self.poll)
         finally:
             self.stop()

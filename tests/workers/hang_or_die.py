@@ -1,8 +1,10 @@
-"""A DDP loop in which rank 1 hangs or dies at step 3, after its backward pass.
+"""A DDP loop in which rank 1 hangs or dies at step 3, after its backward pass, or in
+which every rank stops in native code that holds the GIL (hold-gil).
 
-    python hang_or_die.py hang|die [--find-unused]
+    python hang_or_die.py hang|die|hold-gil [--find-unused]
 """
 
+import ctypes
 import os
 import signal
 import sys
@@ -26,6 +28,9 @@ def main():
     for step in range(100):
         opt.zero_grad()
         F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 10, (8,))).backward()
+        if behaviour == "hold-gil" and step == 3:
+            print(f"rank {rank} sleeps in libc holding the GIL", flush=True)
+            ctypes.PyDLL(None).sleep(600)  # PyDLL: the call keeps the GIL
         if rank == 1 and step == 3:
             print("rank 1 stops here", flush=True)
             if behaviour == "die":
