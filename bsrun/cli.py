@@ -157,7 +157,7 @@ def print_dry_run(plan, as_json: bool) -> None:
         table.add_row(name, str(value), source)
     console.print(table)
     for spec in specs:
-        who = f"rank {spec.rank}" if plan.kind == "local" else "launcher"
+        who = spec.name if plan.kind == "local" else "launcher"
         console.print(f"[bold]{who}[/bold]: {shlex.join(spec.argv)}", highlight=False)
         for k, v in visible(spec.env).items():
             console.print(f"    {k}={v}", highlight=False, markup=False, soft_wrap=True)
@@ -195,13 +195,17 @@ def _csv(values: str) -> list[str]:
 @click.option("--bandwidth", "bandwidths", default="none", show_default=True,
               help="emulated link rate(s), comma-separated (1gbit,3gbit); 'none' = unshaped loopback; root")
 @click.option("--modes", default="ddp,bsrun,bound", show_default=True,
-              help="comma-separated, from ddp, bsrun, horovod, bsrun-horovod, compute, comm, bound")
+              help="comma-separated, from ddp, bsrun, horovod, bsrun-horovod, compute, comm, bound, "
+                   "ps (parameter servers unscheduled) and bsrun:ORDER (forward, tic, tac, fifo)")
+@click.option("--arch", default="allreduce", show_default=True,
+              help="ps: bsrun's modes push to parameter servers (ps: the unscheduled PS baseline)")
+@click.option("--servers", type=int, default=1, show_default=True, help="parameter servers with --arch ps")
 @click.option("--steps", type=int, default=10, show_default=True, help="timed steps per run")
 @click.option("--warmup", type=int, default=3, show_default=True, help="untimed steps first")
 @click.option("--repeat", type=int, default=3, show_default=True, help="runs of each mode, alternating")
 @click.option("--batch", type=int, default=None, help="per-worker batch (default: the model's)")
 @click.option("--json", "json_path", default=None, help="also write the results to this JSON file")
-def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, json_path):
+def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, json_path, arch, servers):
     """Side-by-side step times of DDP, Horovod, bsrun and the bounds, on an emulated network."""
     from rich.console import Console
 
@@ -209,7 +213,7 @@ def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch
 
     rates = [None if b.lower() == "none" else b for b in _csv(bandwidths)]
     results = run_bench(_csv(models), nproc, rates, _csv(modes), steps, warmup, repeat, batch,
-                        json_path, Console())
+                        json_path, Console(), arch, servers)
     return 1 if any(r["failed_repeats"] for r in results) else 0
 
 

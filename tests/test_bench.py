@@ -18,11 +18,11 @@ REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "spread", "speedup_vs
             "efficiency", "repeats", "steps"}
 
 
-def bench(tmp_path, bandwidths, modes):
+def bench(tmp_path, bandwidths, modes, **arch):
     out = io.StringIO()
     path = tmp_path / "bench.json"
     records = run_bench(["tiny"], 2, bandwidths, modes, steps=3, warmup=1, repeat=1, batch=None,
-                        json_path=str(path), console=Console(file=out, width=120))
+                        json_path=str(path), console=Console(file=out, width=160), **arch)
     return records, json.loads(path.read_text()), out.getvalue()
 
 
@@ -53,6 +53,17 @@ def test_every_mode_on_loopback(tmp_path):
     for plain in ("ddp", "horovod"):
         assert by_mode[plain]["launched_as"] == ["off"]
     assert "vs horovod" in text
+
+
+@pytest.mark.slow
+def test_parameter_servers_and_every_order_side_by_side(tmp_path):
+    modes = ["ddp", "ps", "bsrun", "bsrun:forward", "bsrun:tic", "bsrun:tac", "bsrun:fifo"]
+    records, saved, text = bench(tmp_path, [None], modes, arch="ps", servers=2)
+    check(records, saved, text, None, modes)
+    by_mode = {r["mode"]: r for r in records}
+    assert by_mode["ps"]["speedup_vs_ps"] == pytest.approx(1.0) and "vs ps" in text
+    assert all(by_mode[m]["launched_as"] == ["scheduled"] for m in modes[1:])
+    assert all(r["step_iqr_s"] >= 0 for r in records) and "step IQR" in text
 
 
 @pytest.mark.root

@@ -51,7 +51,7 @@ def test_workers_see_exactly_the_launcher_config():
 
 
 def test_bad_values_name_their_source(tmp_path):
-    with pytest.raises(BsrunError, match="BSRUN_PARTITION must be a size such as 4MB, got 'big'"):
+    with pytest.raises(BsrunError, match="BSRUN_PARTITION must be a size such as 4MB, or tensor, got 'big'"):
         resolve({}, None, env={"BSRUN_PARTITION": "big"})
     file = tmp_path / "bad.toml"
     file.write_text("partiton = 3\n")

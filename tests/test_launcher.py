@@ -117,7 +117,7 @@ def test_a_single_python_process_runs_as_rank_0_of_1(workdir):
 
 
 BAD_INPUT = [
-    (["--partition", "abc", "-np", 2, "python", "x.py"], "--partition must be a size such as 4MB, got 'abc'"),
+    (["--partition", "abc", "-np", 2, "python", "x.py"], "--partition must be a size such as 4MB, or tensor, got 'abc'"),
     (["--partition", "-4MB", "-np", 2, "python", "x.py"], "--partition must be"),
     (["--credit", "0x", "-np", 2, "python", "x.py"], "--credit must be"),
     (["--timeout", "soon", "-np", 2, "python", "x.py"], "--timeout must be"),
@@ -148,7 +148,8 @@ def test_dry_run_shows_config_sources_commands_and_environment(workdir):
                      env=bsrun_env(BSRUN_TIMEOUT="60"), check=True)
     plan = json.loads(proc.stdout)
     assert plan["config"]["sources"] == {"partition": "flag", "credit": "config knobs.toml",
-                                         "timeout": "env BSRUN_TIMEOUT", "enabled": "default"}
+                                         "timeout": "env BSRUN_TIMEOUT", "enabled": "default",
+                                         "order": "default", "arch": "default", "servers": "default"}
     assert plan["config"]["partition"] == 1_000_000 and plan["config"]["credit_bytes"] == 8_000_000
     assert [w["argv"] for w in plan["workers"]] == [["python", "train.py", "--lr", "0.1"]] * 2
     assert [w["env"]["RANK"] for w in plan["workers"]] == ["0", "1"]
@@ -156,6 +157,9 @@ def test_dry_run_shows_config_sources_commands_and_environment(workdir):
     text = run_bsrun(["--dry-run", "-np", 2, "python", "train.py"], cwd=workdir, check=True).stdout
     assert "partition" in text and "default" in text and "rank 1: python train.py" in text
     assert "BSRUN_ACTIVE=1" in text
+    text = run_bsrun(["--dry-run", "--arch", "ps", "--servers", 2, "-np", 2, "python", "train.py"], cwd=workdir,
+                     check=True).stdout
+    assert "parameter server 1:" in text and "bsrun.sched.ps_server" in text and "BSRUN_PS_RANK=3" in text
 
 
 def test_run_summary_is_kept_per_run_and_as_last_run(workdir):

@@ -32,9 +32,14 @@ from bsrun.launch.horovod import horovod_installed
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
-MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound")
-SCHEDULED_MODES = ("bsrun", "bsrun-horovod")  # the others run with --no-schedule
-BASELINES = ("ddp", "horovod")  # each mode's speed is also given relative to these
+MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound")  # the worker's
+ORDERS = ("forward", "tic", "tac", "fifo")
+# The bench's modes: the worker's, "ps" (parameter servers unscheduled: each tensor whole,
+# as it becomes ready, no credit limit) and "bsrun:ORDER" (bsrun with that --order).
+BENCH_MODES = (*MODES, "ps", *(f"bsrun:{o}" for o in ORDERS))
+SCHEDULED_MODES = ("bsrun", "bsrun-horovod", "ps", *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
+BASELINES = ("ddp", "horovod", "ps")  # each mode's speed is also given relative to these
+PS_BASELINE = ["--order", "fifo", "--partition", "tensor"]  # and the default credit: unlimited then
 PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
 TAIL_LINES = 20
 STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
@@ -80,14 +85,35 @@ def _tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(kept) if kept else "(no output)"
 
 
+def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) -> list[str]:
+    """bsrun's flags for a mode: its scheduling, order and, with --arch ps, the servers."""
+    if mode not in SCHEDULED_MODES:
+        return ["--no-schedule"]
+    flags = ["--schedule"]
+    if arch == "ps" and mode != "bsrun-horovod" or mode == "ps":
+        flags += ["--arch", "ps", "--servers", str(servers)]
+    if mode == "ps":
+        flags += PS_BASELINE
+    elif mode.startswith("bsrun:"):
+        order = mode.partition(":")[2]
+        flags += ["--order", f"tac:{profile}" if order == "tac" else order]
+    return flags
+
+
+def worker_mode(mode: str) -> str:
+    """The worker builds a DDP model for every bench mode that is not its own."""
+    return mode if mode in MODES else "bsrun"
+
+
 def launch_command(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
-                   warmup: int, batch: int | None, out: Path) -> list[str]:
+                   warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
+                   profile: Path | None = None) -> list[str]:
     """The bsrun command line for one run; only the SCHEDULED_MODES are scheduled."""
-    cmd = [sys.executable, "-m", "bsrun", "--schedule" if mode in SCHEDULED_MODES else "--no-schedule"]
+    cmd = [sys.executable, "-m", "bsrun", *arch_flags(mode, arch, servers, profile)]
     if bandwidth is not None:
         cmd += ["--emulate-bandwidth", bandwidth]
     cmd += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
-            "--mode", mode, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+            "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
     if batch is not None:
         cmd += ["--batch", str(batch)]
     return cmd
@@ -154,6 +180,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
         if median is not None:
             medians[mode] = median
         info = ok[0].info if ok else {}
+        quartiles = statistics.quantiles(times, n=4) if len(times) >= 2 else None
         records.append({
             "model": model, "bandwidth": bandwidth, "mode": mode, "world_size": nproc,
             "batch": info.get("batch"), "params": info.get("params"),
@@ -161,6 +188,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "median_step_s": median,
             "spread": [min(per_repeat), max(per_repeat)] if per_repeat else None,
             "per_repeat_median_s": per_repeat,
+            "step_iqr_s": quartiles[2] - quartiles[0] if quartiles else None,
             "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
             "errors": [r.error.splitlines()[0] for r in failed],
@@ -185,26 +213,29 @@ def bench_table(model: str, records: list[dict]) -> Table:
         title += (f": {first['params'] / 1e6:.2f}M params, {first['grad_bytes'] / 1e6:.1f} MB "
                   f"of gradients, batch {first['batch']} per rank, {first['world_size']} ranks")
     table = Table(title=title, caption="step: median over all timed steps of all repeats; "
-                  "spread: min-max of per-repeat medians; efficiency: bound / mode")
+                  "spread: min-max of per-repeat medians; step IQR: interquartile range of all the "
+                  "steps (TicTac's straggler measure); efficiency: bound / mode")
     bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
-    for col in ("bandwidth", "mode", "step (s)", "spread (s)", *(f"vs {b}" for b in bases), "efficiency",
-                "repeats"):
+    for col in ("bandwidth", "mode", "step (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
+                "efficiency", "repeats"):
         table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
     for r in records:
         spread = "-" if r["spread"] is None else f"{r['spread'][0]:.4g}-{r['spread'][1]:.4g}"
         repeats = f"{r['repeats']}/{r['repeats'] + r['failed_repeats']}"
         speedups = [_fmt(r[f"speedup_vs_{b}"], ".2f") + ("x" if r[f"speedup_vs_{b}"] else "") for b in bases]
         table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
-                      spread, *speedups, _fmt(r["efficiency"], ".2f"), repeats)
+                      spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"), repeats)
     return table
 
 
-def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch) -> None:
+def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, arch, servers) -> None:
     """Every bad argument ends here in one sentence, before anything is launched."""
-    bad_modes = [m for m in modes if m not in MODES]
+    bad_modes = [m for m in modes if m not in BENCH_MODES]
     if bad_modes or not modes:
         raise BsrunError(f"unknown mode(s) {', '.join(bad_modes) or '(none given)'}; "
-                         f"choose from {', '.join(MODES)}")
+                         f"choose from {', '.join(BENCH_MODES)}")
+    if arch not in ("allreduce", "ps") or servers < 1:
+        raise BsrunError("--arch must be allreduce or ps, and --servers at least 1")
     if any(m in ("horovod", "bsrun-horovod") for m in modes) and not horovod_installed():
         raise BsrunError("the horovod modes need Horovod; install it with scripts/install-horovod.sh")
     if nproc < 1 or steps < 1 or repeat < 1 or warmup < 0 or (batch is not None and batch < 1):
@@ -225,9 +256,33 @@ def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch) ->
                          f"choose from {', '.join(known)}")
 
 
+def profile_command(folder: Path, model: str, mode: str, bandwidth: str | None, steps: int, warmup: int,
+                    batch: int | None, out: Path, record_steps: int | None = None, nproc: int = 2,
+                    arch: str = "allreduce", servers: int = 1) -> list[str]:
+    """`bsrun profile` of one bench run: the same launch, recorded into `folder`."""
+    launch = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out, arch, servers)
+    profile = ["profile", "-o", str(folder), "--warmup", str(warmup)]
+    if record_steps:
+        profile += ["--steps", str(record_steps)]
+    return launch[:3] + profile + launch[3:]  # `python -m bsrun` profile ...
+
+
+def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
+                    arch: str, servers: int) -> Path:
+    """`bsrun:tac` orders by a profile of the same job on the same network: made first."""
+    folder = cwd / f"profile-{model}-{bandwidth or 'loopback'}"
+    cmd = profile_command(folder, model, "bsrun", bandwidth, 100, 2, batch, cwd / "profile-run.json",
+                          record_steps=4, nproc=nproc, arch=arch, servers=servers)
+    proc = subprocess.run(cmd, cwd=cwd, env=_child_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=run_timeout_s(6, 2))
+    if proc.returncode != 0:
+        raise BsrunError(f"the profile for bsrun:tac failed:\n{_tail(proc.stdout + proc.stderr)}")
+    return folder
+
+
 def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes: list[str],
               steps: int, warmup: int, repeat: int, batch: int | None, json_path: str | None,
-              console) -> list[dict]:
+              console, arch: str = "allreduce", servers: int = 1) -> list[dict]:
     """Run every model x bandwidth x mode `repeat` times; print tables; return the records.
 
     A failed run is reported with the tail of its output and the benchmark goes on. The
@@ -235,7 +290,7 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
     interrupted benchmark keeps what it measured.
     """
     models, modes, bandwidths = list(models), list(modes), list(bandwidths) or [None]
-    _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch)
+    _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, arch, servers)
     timeout = run_timeout_s(steps, warmup)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bsrun-bench-") as scratch:
@@ -247,10 +302,15 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
             for bandwidth in bandwidths:
                 label = bandwidth or "loopback"
                 runs = []
+                profile = None
+                if "bsrun:tac" in modes:
+                    with console.status(f"{model} {label}: profiling for bsrun:tac"):
+                        profile = profile_for_tac(model, nproc, bandwidth, batch, cwd, arch, servers)
                 for rep in range(repeat):
                     for mode in modes:
                         out = cwd / f"{model}-{label}-{mode}-{rep}.json"
-                        cmd = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out)
+                        cmd = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out,
+                                             arch, servers, profile)
                         with console.status(f"{model} {label} {mode} ({rep + 1}/{repeat})"):
                             run = run_once(cmd, mode, cwd, out, timeout)
                         runs.append(run)

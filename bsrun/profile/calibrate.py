@@ -27,24 +27,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bsrun.bench.runner import SCHEDULED_MODES, launch_command, run_bench, run_once, run_timeout_s
+from bsrun.bench.runner import launch_command, profile_command, run_bench, run_once, run_timeout_s
 from bsrun.fsutil import atomic_write_json
 from bsrun.profile import trace, whatif
-
-
-def profile_command(folder: Path, model: str, mode: str, bandwidth: str | None, steps: int, warmup: int,
-                    batch: int | None, out: Path, record_steps: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "bsrun", "profile", "-o", str(folder), "--warmup", str(warmup)]
-    if record_steps:
-        cmd += ["--steps", str(record_steps)]
-    cmd += ["--schedule" if mode in SCHEDULED_MODES else "--no-schedule"]
-    if bandwidth is not None:
-        cmd += ["--emulate-bandwidth", bandwidth]
-    cmd += ["-np", "2", sys.executable, "-m", "bsrun.bench.worker", "--model", model, "--mode", mode,
-            "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-    if batch is not None:
-        cmd += ["--batch", str(batch)]
-    return cmd
 
 
 def plain_command(model, mode, bandwidth, steps, warmup, batch, out) -> list[str]:
