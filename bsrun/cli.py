@@ -78,15 +78,17 @@ def launch_options(f):
     return f
 
 
-def job_of(command, nproc, network) -> tuple[str, list[str]]:
+def job_of(command, nproc, network, servers: int = 0) -> tuple[str, list[str]]:
     """The job signature of a launch and the hosts it names: the key of its tuned config.
 
     On an emulated network each rank is a host of its own, at the emulated rate: a config
-    tuned at 1 Gbit/s is not the one for loopback."""
+    tuned at 1 Gbit/s is not the one for loopback. Parameter servers (--arch ps) are hosts
+    too: a config tuned for all-reduce is not the one for PS."""
     hosts = ["localhost"]
+    link = f"@{network.rate_bps or 'unshaped'}bit/s,{network.latency_s or 0}s" if network is not None else ""
     if network is not None:
-        link = f"{network.rate_bps or 'unshaped'}bit/s,{network.latency_s or 0}s"
-        hosts = [f"emulated-{r}@{link}" for r in range(nproc or 1)]
+        hosts = [f"emulated-{r}{link}" for r in range(nproc or 1)]
+    hosts += [f"ps-server-{k}{link}" for k in range(servers)]
     return job_signature(list(command), nproc or 1, hosts), hosts
 
 
@@ -116,7 +118,9 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
 
     flags = {"partition": partition, "credit": credit, "timeout": timeout, "order": order, "arch": arch,
              "servers": servers, "enabled": None if schedule is None else str(schedule)}
-    tuned = load_tuned(job_of(command, nproc, network)[0]) if use_tuned else None
+    untuned = resolve(flags, config_file)  # --arch and --servers are part of the job
+    servers = untuned.servers if untuned.arch == "ps" else 0
+    tuned = load_tuned(job_of(command, nproc, network, servers)[0]) if use_tuned else None
     config = resolve(flags, config_file, tuned=tuned)
     if config.order.startswith("tac"):
         config.order = f"tac:{tac_profile(config.order)}"
@@ -266,7 +270,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
     fixed = {n: str(getattr(plan.config, n)) for n in sorted(plan.config.fixed_by_user()) if n in TUNABLE}
     fixed = {n: launch[n] if launch.get(n) is not None else v for n, v in fixed.items()}
     search_space = parse_space(space, fixed)
-    signature, hosts = job_of(command, launch["nproc"], plan.network)
+    signature, hosts = job_of(command, launch["nproc"], plan.network, plan.servers)
     setup = TrialSetup(_launch_flags(ctx, launch), list(command), warmup, steps, trial_timeout,
                        launch["grace"], TUNE_DIR / signature)
     job = tuner.Job(signature, list(command), launch["nproc"] or 1, hosts, setup)

@@ -130,9 +130,9 @@ def test_the_committed_config_is_used_by_the_next_run_of_the_same_job(resumed):
     assert run["config"]["partition"] == partition and run["config"]["sources"]["partition"] == TUNED
     assert all(r["steps"] == 20 and r["exit_code"] == 0 for r in run["ranks"]), "a normal run is not a trial"
 
-    other = ["-np", 1, *launch[2:]]  # another job: another world size
-    plan = json.loads(run_bsrun(["--dry-run", "--json", *other], cwd=cwd, check=True).stdout)
-    assert plan["config"]["sources"]["partition"] == "default"
+    for other in (["-np", 1, *launch[2:]], ["--arch", "ps", *launch]):  # another world size; servers
+        plan = json.loads(run_bsrun(["--dry-run", "--json", *other], cwd=cwd, check=True).stdout)
+        assert plan["config"]["sources"]["partition"] == "default", other
 
 
 def test_a_failing_hanging_or_short_trial_is_recorded_and_tuning_goes_on(workdir):
