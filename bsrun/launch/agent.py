@@ -114,7 +114,8 @@ def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
     reports = summary.read_rank_reports(plan.report_dir)
     shutil.rmtree(plan.report_dir, ignore_errors=True)
     run = summary.build_summary(plan.command, plan.config, plan.kind, result.exit_code,
-                                result.exit_codes, reports, started, ended)
+                                result.exit_codes, reports, started, ended,
+                                {rank: proc.pid for rank, proc in group.procs.items()})
     summary.save_summary(run)
     failure = _describe_failure(plan, result, reports, watchdog)
     if failure:

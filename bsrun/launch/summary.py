@@ -26,12 +26,15 @@ def read_rank_reports(report_dir: Path) -> dict[int, dict]:
     return reports
 
 
-def build_summary(command, config, kind, exit_code, exit_codes, reports, started, ended) -> dict:
+def build_summary(command, config, kind, exit_code, exit_codes, reports, started, ended, pids=None) -> dict:
+    """`pids`: the launcher's own record of its workers, for the ranks that wrote no report."""
     ranks = []
     for rank in sorted(set(exit_codes) | set(reports)):
         entry = {"rank": rank, **reports.get(rank, {"mode": "unknown"})}
         if kind == "local":
             entry["exit_code"] = exit_codes.get(rank)
+            if rank in (pids or {}):
+                entry.setdefault("pid", pids[rank])
         ranks.append(entry)
     return {
         "command": list(command), "kind": kind, "config": config.as_dict(),
