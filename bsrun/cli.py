@@ -242,11 +242,13 @@ def tune_group():
 @click.option("--trial-timeout", type=click.FloatRange(min=1), default=600, show_default=True,
               help="seconds a trial may take before it is stopped and recorded as hung")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the search")
+@click.option("--presim", is_flag=True,
+              help="profile the job once first; its what-if replay proposes the first points")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON (progress goes to stderr)")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
-def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, trial_timeout, seed, as_json,
-             **launch):
+def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, trial_timeout, seed, presim,
+             as_json, **launch):
     """Find the best partition and credit for COMMAND with a few real launches, and commit it.
 
     \b
@@ -279,7 +281,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
         if grid:
             result = tuner.grid(job, search_space, fresh, console)
         else:
-            result = tuner.tune(job, search_space, trials, recheck, fresh, seed, console)
+            result = tuner.tune(job, search_space, trials, recheck, fresh, seed, console, use_presim=presim)
     except tuner.Stopped as e:
         click.echo(f"bsrun: tuning stopped by {signal.Signals(e.signum).name}; the journal "
                    f"{TUNE_DIR / signature}.jsonl keeps every finished trial: run the same command to resume",

@@ -208,3 +208,20 @@ def test_bad_tuning_input_ends_in_one_line_before_any_launch(workdir, options, m
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bsrun: error: ") and message in lines[0], proc.stderr
     assert not (workdir / ".bsrun" / "tune").exists()
+
+
+def test_presim_profiles_once_and_its_fastest_predictions_come_right_after_the_defaults(workdir):
+    args = tune_args(trials=3, recheck=0, options=["--presim"])
+    proc = run_bsrun(args, cwd=workdir, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = journal(workdir)
+    (presim,) = [r for r in records if r["type"] == "presim"]
+    assert len(presim["configs"]) == 3 and presim["predicted_s"] == sorted(presim["predicted_s"])
+    assert all(t > 0 for t in presim["predicted_s"]) and DEFAULTS not in presim["configs"]
+    assert (workdir / presim["profile"] / "trace.json").is_file()
+    search = trials(records, "search")
+    assert [t["config"] for t in search] == [DEFAULTS, *presim["configs"][:2]]
+    assert "--presim proposes partition=" in proc.stdout
+    again = run_bsrun(args, cwd=workdir, check=True, timeout=120)  # resumes: no second profile
+    assert len([r for r in journal(workdir) if r["type"] == "presim"]) == 1
+    assert "profiling the job once" not in again.stdout

@@ -4,7 +4,8 @@ The search is scikit-optimize's `Optimizer` (a Gaussian process with expected
 improvement) driven by ask/tell. It is rebuilt from the journal before every ask,
 with the same seed: resuming a tuning run and continuing one are the same code, and
 the same journal always proposes the same next point. The first point is bsrun's
-defaults, then INITIAL_POINTS - 1 of a Latin hypercube, then the model's choices.
+defaults, then INITIAL_POINTS - 1 of a Latin hypercube (or, with --presim, the points the
+profile's what-if replay predicts fastest), then the model's choices.
 
 The objective is log(step time): GP noise and differences are then relative. A failed
 trial is told as twice the slowest successful one, so the model steers away from it
@@ -34,11 +35,13 @@ def _told(space: Space, trials: list[dict]) -> tuple[list[list[float]], list[flo
     return xs, ys
 
 
-def next_config(space: Space, trials: list[dict], budget: int, seed: int = 0) -> dict[str, str]:
-    """The next search config, given the search trials so far (journal records)."""
-    defaults = space.defaults()
-    if not any(t["config"] == defaults for t in trials):
-        return defaults
+def next_config(space: Space, trials: list[dict], budget: int, seed: int = 0,
+                proposed: list[dict[str, str]] = ()) -> dict[str, str]:
+    """The next search config, given the search trials so far (journal records) and the
+    configs proposed to come right after the defaults."""
+    for config in [space.defaults(), *proposed]:
+        if not any(t["config"] == config for t in trials):
+            return config
     from skopt import Optimizer
 
     opt = Optimizer(space.dimensions(), base_estimator="GP", acq_func="EI",

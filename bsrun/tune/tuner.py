@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 
 from bsrun.errors import BsrunError
-from bsrun.tune import search
+from bsrun.tune import presim, search
 from bsrun.tune.commit import commit
 from bsrun.tune.journal import Journal, journal_path, read_records, TUNE_DIR
 from bsrun.tune.progress import Progress, describe_config, say, trials_table
@@ -89,13 +89,30 @@ def _spread(values: list[float]) -> list[float] | None:
     return [min(values), max(values)] if values else None
 
 
-def tune(job: Job, space: Space, trials: int, recheck: int, fresh: bool, seed: int, console) -> dict:
+def _proposals(journal: Journal, job: Job, space: Space, count: int, console) -> list[dict]:
+    """--presim's first points: from the journal when resuming, else from one profile."""
+    record = next((r for r in journal.records if r.get("type") == "presim"), None)
+    if record is None:
+        say(console, "bsrun: --presim: profiling the job once; its what-if replay proposes the first points")
+        record = presim.propose(job.setup, space, count)
+        journal.append(record)
+        if record["configs"]:
+            say(console, "bsrun: --presim proposes " + "; ".join(
+                f"{describe_config(c)} ({t:.3g} s predicted)" for c, t in zip(record["configs"], record["predicted_s"])))
+        else:
+            say(console, f"bsrun: --presim proposes nothing ({record['reason']}); the search starts as without it")
+    return record["configs"]
+
+
+def tune(job: Job, space: Space, trials: int, recheck: int, fresh: bool, seed: int, console,
+         use_presim: bool = False) -> dict:
     """Search, recheck, commit; returns what was committed (for --json and the caller)."""
     journal = _open(job, space, fresh, console)
+    proposed = _proposals(journal, job, space, search.INITIAL_POINTS - 1, console) if use_presim else []
     planned = max(0, trials - len(journal.trials("search"))) + recheck
     with _stop_on_signals(), Progress(console, journal, planned) as progress:
         while len(journal.trials("search")) < trials:
-            config = search.next_config(space, journal.trials("search"), trials, seed)
+            config = search.next_config(space, journal.trials("search"), trials, seed, proposed)
             _run(journal, job, progress, "search", config)
         finalists = search.finalists(space, journal.trials("search"), recheck)
         for config in finalists:
