@@ -64,3 +64,15 @@ def test_ranks_stuck_in_native_code_holding_the_gil_are_found_by_the_launchers_w
     assert elapsed < TIMEOUT + GRACE + STARTUP_S, f"took {elapsed:.1f} s"
     assert all("pid" in r for r in summary["ranks"]), "the launcher records the pids of ranks without a report"
     assert_no_worker_left(summary)
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_early_is_not_taken_for_a_hung_one(workdir):
+    """Its heartbeat stops with its exit; the job goes on until the other rank is done."""
+    script = workdir / "uneven.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(3 * %d)\n" % TIMEOUT)
+    started = time.monotonic()
+    proc = run_bsrun(["--timeout", TIMEOUT, "-np", 2, "python", script], cwd=workdir, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped responding" not in proc.stderr
+    assert time.monotonic() - started > 3 * TIMEOUT
