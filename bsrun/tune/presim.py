@@ -11,11 +11,9 @@ point is still measured by a real trial, and the Gaussian process learns from th
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
-from bsrun.config import KNOB_BY_NAME, parse_credit, parse_size
+from bsrun.config import resolve
 from bsrun.tune.space import Space
 from bsrun.tune.trial import TrialSetup
 
@@ -23,17 +21,17 @@ PROFILE_STEPS = 4
 
 
 def _bytes(space: Space, config: dict[str, str]) -> tuple[int, int]:
-    knobs = {**{n: KNOB_BY_NAME[n].default for n in ("partition", "credit")}, **space.fixed, **config}
-    partition = parse_size(knobs["partition"])
-    return partition, parse_credit(knobs["credit"]).resolve(partition)
+    """Partition and credit bytes of a candidate, resolved as a trial's launch resolves them."""
+    resolved = resolve({**space.fixed, **config}, env={})
+    return resolved.partition, resolved.credit_bytes
 
 
 def propose(setup: TrialSetup, space: Space, count: int) -> dict:
     """A journal record: the proposed configs with their predictions, or why there are none."""
     folder = setup.log_dir / "presim-profile"
     setup.log_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "bsrun.tune.child", str(os.getpid()), "profile", "-o", str(folder),
-            "--warmup", str(setup.warmup), "--steps", str(PROFILE_STEPS), *setup.bsrun_args, *setup.command]
+    argv = setup.child_argv(["profile", "-o", str(folder), "--warmup", str(setup.warmup),
+                             "--steps", str(PROFILE_STEPS)])
     log = setup.log_dir / "presim-profile.log"
     record = {"type": "presim", "profile": str(folder), "log": str(log), "configs": [], "predicted_s": []}
     with open(log, "w") as out:

@@ -47,7 +47,11 @@ class TrialSetup:
 
     def argv(self, config: dict[str, str]) -> list[str]:
         knobs = [a for name, value in config.items() for a in (f"--{name}", value)]
-        return [sys.executable, "-m", "bsrun.tune.child", str(os.getpid()), "run",
+        return self.child_argv(["run"], knobs)
+
+    def child_argv(self, subcommand: list[str], knobs: list[str] = ()) -> list[str]:
+        """`bsrun SUBCOMMAND [launch flags] [knobs] COMMAND`, as a child that ends with the tuner."""
+        return [sys.executable, "-m", "bsrun.tune.child", str(os.getpid()), *subcommand,
                 *self.bsrun_args, *knobs, *self.command]
 
 
