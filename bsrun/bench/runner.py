@@ -90,7 +90,7 @@ def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) 
     if mode not in SCHEDULED_MODES:
         return ["--no-schedule"]
     flags = ["--schedule"]
-    if arch == "ps" and mode != "bsrun-horovod" or mode == "ps":
+    if mode == "ps" or (arch == "ps" and mode != "bsrun-horovod"):  # Horovod stays on its all-reduce
         flags += ["--arch", "ps", "--servers", str(servers)]
     if mode == "ps":
         flags += PS_BASELINE

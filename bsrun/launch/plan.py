@@ -104,11 +104,14 @@ class LaunchPlan:
         """Emulated hosts: one per worker, then one per server."""
         return self.nproc + self.servers
 
+    def _python_path(self, first: Path) -> str:
+        """`first`, then the user's PYTHONPATH."""
+        user_path = self.base_env.get("PYTHONPATH")
+        return os.pathsep.join([str(first)] + ([user_path] if user_path else []))
+
     def injection_env(self) -> dict[str, str]:
         """The environment that switches bsrun on in every Python process below."""
-        env = dict(self.base_env)
-        user_path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR)] + ([user_path] if user_path else []))
+        env = dict(self.base_env, PYTHONPATH=self._python_path(SITE_DIR))
         env[ACTIVE_ENV] = "1"
         env[PACKAGE_ROOT_ENV] = str(PACKAGE_ROOT)
         if self.report_dir is not None:
@@ -139,9 +142,8 @@ class LaunchPlan:
         specs = []
         for s in range(self.servers):
             rank = self.nproc + s
-            env = dict(self.base_env, **self.ps_env(net), **{PS_RANK_ENV: str(rank)})
-            user_path = self.base_env.get("PYTHONPATH")
-            env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([user_path] if user_path else []))
+            env = dict(self.base_env, **self.ps_env(net), **{PS_RANK_ENV: str(rank)},
+                       PYTHONPATH=self._python_path(PACKAGE_ROOT))
             env.setdefault("OMP_NUM_THREADS", "1")
             argv = [sys.executable, "-m", "bsrun.sched.ps_server"]
             if net is not None:
