@@ -118,10 +118,12 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
 
     flags = {"partition": partition, "credit": credit, "timeout": timeout, "order": order, "arch": arch,
              "servers": servers, "enabled": None if schedule is None else str(schedule)}
-    untuned = resolve(flags, config_file)  # --arch and --servers are part of the job
-    servers = untuned.servers if untuned.arch == "ps" else 0
-    tuned = load_tuned(job_of(command, nproc, network, servers)[0]) if use_tuned else None
-    config = resolve(flags, config_file, tuned=tuned)
+    config = resolve(flags, config_file)
+    tuned = {}
+    if use_tuned:  # --arch and --servers are part of the job, so they are resolved first
+        tuned = load_tuned(job_of(command, nproc, network, config.servers if config.arch == "ps" else 0)[0])
+    if tuned:
+        config = resolve(flags, config_file, tuned=tuned)
     if config.order.startswith("tac"):
         config.order = f"tac:{tac_profile(config.order)}"
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)
