@@ -11,6 +11,6 @@ def synchronize() -> None:
     """
     import sys
 
-    runtime = sys.modules.get("bsrun.inject.runtime")
-    if runtime is not None:
-        runtime.flush_all()
+    state = sys.modules.get("bsrun.inject.state")
+    if state is not None:
+        state.flush_all()

@@ -209,16 +209,19 @@ def test_the_analysis_side_never_imports_torch(scheduled):
 
 
 def test_replay_rules():
-    """The replay's own rules: DDP's bucket sizes as bsrun.bench computes them, and the
+    """The replay's own rules: DDP's buckets as torch DDP itself assigns them, and the
     credit keeping one partition in flight at a time, most urgent first."""
-    from bsrun.bench.models import build
-    from bsrun.bench.worker import ddp_buckets as bench_buckets
-    from bsrun.profile import whatif
+    import torch.distributed as dist
 
-    tensors = [p for p in build("vgg16").parameters()]
-    params = [{"bytes": p.numel() * p.element_size()} for p in tensors]
-    ours = whatif.ddp_buckets(params, list(reversed(range(len(params)))))
-    assert [sum(params[i]["bytes"] for i in b) for b in ours] == [b.numel() * 4 for b in bench_buckets(tensors)]
+    from bsrun.bench.models import build
+    from bsrun.profile import whatif
+    from bsrun.sched.partition import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_buckets
+
+    for name in ("vgg16", "resnet50"):
+        ready_order = list(reversed(list(build(name).parameters())))  # DDP's initial bucket order
+        torchs, _ = dist._compute_bucket_assignment_by_size(ready_order, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES])
+        ours = ddp_buckets([p.numel() * p.element_size() for p in ready_order])
+        assert sorted(map(sorted, ours)) == sorted(map(sorted, torchs)), name
     finish = whatif._issue_round({0: 1.0, 1: 1.0, 2: 0.0}, [100, 100, 100], credit=100, alpha=0.5, beta=0.01,
                                  decision=0.0, link_free=0.0)
     assert finish == {2: pytest.approx(1.5), 0: pytest.approx(3.0), 1: pytest.approx(4.5)}

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
-from bsrun.inject import runtime
-from bsrun.sched.ps_backend import PSBackend
-from bsrun.sched.ps_protocol import Group
-from bsrun.sched.torch_backend import TorchDistBackend
+from bsrun.inject import state
+from bsrun.inject.runtime import ModelRuntime
+from bsrun.sched.ps_backend import PSTransport
+from bsrun.sched.torch_backend import TorchTransport
 
 _SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
 _UNSUPPORTED_ARGS = ("device_ids", "output_device", "mixed_precision", "device_mesh",
@@ -66,49 +66,6 @@ def broadcast_from_rank0(tensors, group) -> None:
                 offset += t.numel()
 
 
-class TorchTransport:
-    """A model's ranks over three gloo groups of their own: gradient bytes and
-    negotiations (both used only by the scheduler's threads) and the training thread's
-    collectives (order, buffer broadcasts), so no two threads ever share a group."""
-
-    def __init__(self, ranks: list[int], timeout: timedelta):
-        self.data_group, self.negotiation_group, self.control_group = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-            for _ in range(3))
-
-    def agree(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
-        return tensor.tolist()
-
-    def backend(self, partitions, grad_of, dtypes) -> TorchDistBackend:
-        return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes)
-
-    def credit(self, credit_bytes: int) -> int:
-        return credit_bytes
-
-
-_PS_GROUP: list[Group] = []  # this worker's place among workers and servers, made once
-
-
-class PSTransport(TorchTransport):
-    """--arch ps: the ranks agree and negotiate as for all-reduce; the bytes go to the
-    parameter servers. Each model of the process is a numbered model on the servers."""
-
-    models = 0
-
-    def __init__(self, ranks: list[int], timeout: timedelta):
-        super().__init__(ranks, timeout)
-        if not _PS_GROUP:
-            _PS_GROUP.append(Group.from_env(dist.get_rank(), timeout))
-        self.group = _PS_GROUP[0]
-        self.model = PSTransport.models
-        PSTransport.models += 1
-
-    def backend(self, partitions, grad_of, dtypes) -> PSBackend:
-        return PSBackend(self.group, self.model, self.negotiation_group, partitions, grad_of, dtypes)
-
-
 class _AnyDDP(type(DistributedDataParallel)):
     """Scripts hold `DistributedDataParallel` as it was looked up after our patch, i.e.
     ScheduledDDP; `isinstance(model, DDP)` must still hold for a model that fell back to
@@ -128,11 +85,11 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         bound.apply_defaults()
         a = bound.arguments
         module = a["module"]
-        config = SchedConfig.from_env()
+        config = state.config()
         reason = fallback_reason(module, a, config)
         if reason is not None:
-            runtime.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
-            runtime.set_mode("fallback")
+            state.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
+            state.set_mode("fallback")
             super().__init__(*args, **kwargs)
             self.__class__ = DistributedDataParallel  # from here on, exactly plain DDP
             return
@@ -147,13 +104,13 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         transport = PSTransport if config.arch == "ps" else TorchTransport
         self._bsrun_transport = transport(dist.get_process_group_ranks(self.process_group),
                                           timedelta(seconds=config.timeout))
-        self._bsrun = runtime.ModelRuntime(module.named_parameters(), module.modules(), config,
-                                           self._bsrun_transport)
+        self._bsrun = ModelRuntime(module.named_parameters(), module.modules(), config,
+                                   self._bsrun_transport)
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
             broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
                                  self._bsrun_transport.control_group)
-        runtime.set_mode("scheduled")
+        state.set_mode("scheduled")
 
     def forward(self, *inputs, **kwargs):
         if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:

@@ -15,19 +15,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
-import itertools
 
 import horovod.torch as hvd
 import torch
 from horovod.torch import optimizer as hvd_optimizer
 
-from bsrun.config import SchedConfig
-from bsrun.inject import runtime
-from bsrun.sched import horovod_backend  # a module: it may still be importing (it imports horovod)
+from bsrun.inject import state
+from bsrun.inject.runtime import ModelRuntime
+from bsrun.sched.horovod_backend import HorovodTransport
 
 _GENUINE = hvd_optimizer.DistributedOptimizer
 _SIGNATURE = inspect.signature(_GENUINE)
-_MODEL_NUMBERS = itertools.count()  # the same sequence on every rank: names Horovod can match
 
 
 def fallback_reason(params: list[torch.Tensor], modules: list[torch.nn.Module], args: dict) -> str | None:
@@ -69,27 +67,7 @@ def modules_using(params: list[torch.Tensor]) -> list[torch.nn.Module]:
             and any(id(v) in ids for v in obj._parameters.values() if v is not None)]
 
 
-class HorovodTransport:
-    def __init__(self, op, gradient_predivide_factor: float):
-        self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
-        self.op = op
-        average = op == hvd.Average
-        self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
-        self.postscale = gradient_predivide_factor if average else 1.0
-
-    def agree(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
-
-    def backend(self, partitions, grad_of, dtypes) -> "horovod_backend.HorovodBackend":
-        return horovod_backend.HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
-
-    def credit(self, credit_bytes: int) -> int:
-        """Rank 0 alone holds back; the others submit all that is ready (see the backend)."""
-        return credit_bytes if hvd.rank() == 0 else 2 ** 62
-
-
-def _give_horovod_methods(optimizer, rt: runtime.ModelRuntime) -> None:
+def _give_horovod_methods(optimizer, rt: ModelRuntime) -> None:
     """The methods of Horovod's optimizer that scripts call, on the script's optimizer."""
     def synchronize():
         rt.force_accumulated()
@@ -112,28 +90,26 @@ def DistributedOptimizer(*args, **kwargs):
     modules = modules_using(params)
     reason = fallback_reason(params, modules, a)
     if reason is not None:
-        runtime.say_once(f"not scheduling this optimizer ({reason}); it runs as Horovod's DistributedOptimizer")
-        runtime.set_mode("fallback")
+        state.say_once(f"not scheduling this optimizer ({reason}); it runs as Horovod's DistributedOptimizer")
+        state.set_mode("fallback")
         return _GENUINE(**a)
     if a["groups"] or a["num_groups"]:
-        runtime.say_once("Horovod's groups are replaced by bsrun's partitions (same results)")
+        state.say_once("Horovod's groups are replaced by bsrun's partitions (same results)")
     names = {id(p): n for n, p in a["named_parameters"] or ()}  # else Horovod's own default names
     named = [(names.get(id(p), f"allreduce.noname.{i}.{j}"), p)
              for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
-    config = SchedConfig.from_env()
+    config = state.config()
     if config.arch == "ps":
-        runtime.say_once("--arch ps serves DistributedDataParallel models; this Horovod optimizer "
-                         "is scheduled over Horovod's all-reduce")
-    rt = runtime.ModelRuntime(named, modules, config,
-                              HorovodTransport(a["op"], a["gradient_predivide_factor"]),
-                              passes_per_sync=a["backward_passes_per_step"])
+        state.say_once("--arch ps serves DistributedDataParallel models; this Horovod optimizer "
+                       "is scheduled over Horovod's all-reduce")
+    rt = ModelRuntime(named, modules, config, HorovodTransport(a["op"], a["gradient_predivide_factor"]),
+                      passes_per_sync=a["backward_passes_per_step"])
     _give_horovod_methods(optimizer, rt)
-    runtime.set_mode("scheduled")
+    state.set_mode("scheduled")
     return optimizer
 
 
 def install() -> None:
-    if not SchedConfig.from_env().enabled:
-        return
+    """Called by the bootstrap once horovod.torch is imported, only with scheduling on."""
     hvd.DistributedOptimizer = DistributedOptimizer
     hvd_optimizer.DistributedOptimizer = DistributedOptimizer

@@ -3,12 +3,14 @@
 TIC needs the dependency structure: during the first forward pass, each module that owns
 parameters reports its output, and the autograd graph behind it says which parameters
 that output depends on (the AccumulateGrad leaves reachable from it, counted once per
-graph node thanks to a memo). TAC needs measured times: the profile of `bsrun profile`
-(its forward compute per layer, and the fitted link, alpha + beta * bytes per transfer).
+graph node thanks to a memo). TAC's order was computed by the launcher from a profile
+(bsrun/profile/tac.py) and is read here as parameter names; tensors the profile does not
+name go last, in forward order.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -70,30 +72,15 @@ def _tensors_in(value):
             yield from _tensors_in(v)
 
 
-def tac_layers(profile: Path, names: list[str], forward: list[int]) -> list[ordering.Layer]:
-    """The model's layers, in the profile's forward order, with their measured times;
-    tensors the profile does not know are a layer of their own at the end (no compute)."""
-    from bsrun.profile import trace, whatif
-
-    model = whatif.fit(trace.load(profile))
+def tac_order(folder: Path, names: list[str], forward: list[int]) -> list[int]:
+    """The launcher's TAC order (names in FOLDER's order file) as this model's indices."""
     index = {name: i for i, name in enumerate(names)}
-    size = {p["name"]: p["bytes"] for p in model.params}
-    rank = model.ranks[0]
-    starts = sorted((rank.forward_at[layer], layer) for layer in model.forward_layers if layer in rank.forward_at)
-    layers, placed = [], set()
-    for k, (start, layer) in enumerate(starts):
-        end = starts[k + 1][0] if k + 1 < len(starts) else rank.forward
-        tensors = [index[n] for n in model.layer_params.get(layer, []) if n in index and index[n] not in placed]
-        placed.update(tensors)
-        if tensors:
-            layers.append(ordering.Layer(layer, max(0.0, end - start),
-                                         [model.alpha + model.beta * size[names[i]] for i in tensors], tensors))
-    rest = [i for i in forward if i not in placed]
-    if not layers:
-        raise ValueError(f"the profile in {profile} is of another model (no parameter name matches)")
-    if rest:
-        layers.append(ordering.Layer("(not in the profile)", 0.0, [0.0] * len(rest), rest))
-    return layers
+    ordered = json.loads((folder / ordering.TAC_ORDER_FILE).read_text())["order"]
+    known = list(dict.fromkeys(index[n] for n in ordered if n in index))
+    if not known:
+        raise ValueError(f"the profile in {folder} is of another model (no parameter name matches)")
+    placed = set(known)
+    return known + [i for i in forward if i not in placed]
 
 
 def transfer_order(policy: str, forward: list[int], names: list[str], counter: DependencyCounter | None) -> list[int]:
@@ -104,5 +91,5 @@ def transfer_order(policy: str, forward: list[int], names: list[str], counter: D
     if name == "tic":
         return ordering.tic_order(forward, counter.count if counter is not None else {})
     if name == "tac":
-        return ordering.tac_order(tac_layers(Path(folder), names, forward))
+        return tac_order(Path(folder), names, forward)
     return forward

@@ -18,28 +18,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bsrun.config import SchedConfig
-from bsrun.inject import optim, runtime
+from bsrun.inject import optim, state
 
 
 def _flushing(fn, note=None):
     """Wrap fn so that scheduled work is finished before it runs."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if runtime.RUNTIMES:
+        if state.MODELS:
             if note:
-                runtime.say_once(note)
-            runtime.flush_all()
+                state.say_once(note)
+            state.flush_all()
         return fn(*args, **kwargs)
     return wrapper
 
 
 def _scheduled_step(optimizer, closure=None):
     """Instance-level step(): LR schedulers wrap it as they wrap any bound step."""
-    number = runtime.count_step()
-    rt = runtime.runtime_of(p for g in optimizer.param_groups for p in g["params"])
+    number = state.count_step()
+    rt = state.model_of(p for g in optimizer.param_groups for p in g["params"])
     result = optim.full_step(optimizer, closure) if rt is None else rt.optimizer_step(optimizer, closure)
-    runtime.step_finished(number)
+    state.step_finished(number)
     return result
 
 
@@ -56,7 +55,7 @@ def _patch_optimizer() -> None:
     @functools.wraps(original_zero_grad)
     def zero_grad(self, set_to_none: bool = True):
         params = [p for g in self.param_groups for p in g["params"]]
-        rt = runtime.runtime_of(params)
+        rt = state.model_of(params)
         if rt is None:
             return original_zero_grad(self, set_to_none)
         rt.zero_grad(params, set_to_none)
@@ -72,7 +71,7 @@ def _patch_module_zero_grad() -> None:
 
     @functools.wraps(original)
     def zero_grad(self, set_to_none: bool = True):
-        rt = runtime.runtime_of(self.parameters()) if runtime.RUNTIMES else None
+        rt = state.model_of(self.parameters()) if state.MODELS else None
         if rt is None:
             return original(self, set_to_none)
         rt.zero_grad(list(self.parameters()), set_to_none)
@@ -92,8 +91,8 @@ def _patch_flush_points() -> None:
 
     @functools.wraps(original_destroy)
     def destroy_process_group(*args, **kwargs):
-        runtime.flush_all()
-        runtime.close_all()
+        state.flush_all()
+        state.close_all()
         return original_destroy(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
@@ -118,16 +117,14 @@ def _patch_default_timeout(seconds: float) -> None:
 def _at_exit() -> None:
     try:
         if dist.is_initialized():
-            runtime.flush_all()
+            state.flush_all()
     finally:
-        runtime.close_all()
-    runtime.note_if_nothing_scheduled()
+        state.close_all()
+    state.note_if_nothing_scheduled()
 
 
 def install() -> None:
-    config = SchedConfig.from_env()
-    if not config.enabled:
-        return
+    """Called by the bootstrap once torch is imported, only with scheduling on."""
     from bsrun.inject.ddp import ScheduledDDP
 
     torch.nn.parallel.distributed.DistributedDataParallel = ScheduledDDP
@@ -135,5 +132,5 @@ def install() -> None:
     _patch_optimizer()
     _patch_module_zero_grad()
     _patch_flush_points()
-    _patch_default_timeout(config.timeout)
+    _patch_default_timeout(state.config().timeout)
     atexit.register(_at_exit)

@@ -6,16 +6,11 @@ from pathlib import Path
 
 from bsrun.config import REPORT_DIR_ENV, worker_setting
 from bsrun.fsutil import atomic_write_json
-from bsrun.inject import heartbeat
+from bsrun.inject import heartbeat, state
 
 
 def rank_report(rank: int) -> dict:
-    report = {"rank": rank, "pid": os.getpid(), "mode": "off", "steps": 0, "tasks": 0,
-              "partitions": 0, "bytes": 0, "notes": []}
-    runtime = sys.modules.get("bsrun.inject.runtime")
-    if runtime is not None:
-        report.update(runtime.counters())
-    return report
+    return {"rank": rank, "pid": os.getpid(), **state.counters()}
 
 
 def write_rank_report(rank: int) -> None:

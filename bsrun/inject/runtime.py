@@ -16,119 +16,25 @@ The life of a parameter in one round:
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-import weakref
-from typing import Protocol
 
 import torch
 
-from bsrun.inject import optim
-from bsrun.inject.bootstrap import world_size, worker_rank
+from bsrun.inject import optim, state
 from bsrun.inject.order import DependencyCounter, transfer_order
-from bsrun.sched.core import CommBackend, Scheduler
+from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
-
-RUNTIMES: "weakref.WeakSet[ModelRuntime]" = weakref.WeakSet()
-_NOTES: list[str] = []
-_COUNTS = {"mode": "off", "steps": 0}
-STEP_LISTENERS: list = []  # callables(step_number), run after each optimizer step() returns
-TRACE = None  # while `bsrun profile` records: its recorder (bsrun/inject/record.py)
-
-
-def say_once(message: str) -> None:
-    """A note users see once per run (and in the run summary)."""
-    if message not in _NOTES:
-        _NOTES.append(message)
-        if (worker_rank() or 0) == 0:
-            print(f"bsrun: {message}", file=sys.stderr, flush=True)
-
-
-def warn(message: str) -> None:
-    """A note from this rank, whatever its rank (say_once speaks for all from rank 0)."""
-    if message not in _NOTES:
-        _NOTES.append(message)
-        print(f"bsrun: rank {worker_rank()}: {message}", file=sys.stderr, flush=True)
-
-
-def _failed(message: str) -> str:
-    """The reason this rank is about to fail, kept for the run summary's failure line."""
-    _COUNTS["error"] = message
-    return f"bsrun: {message}"
-
-
-def set_mode(mode: str) -> None:
-    """scheduled > fallback > off: the run summary reports the most scheduled model."""
-    order = ("off", "fallback", "scheduled")
-    if order.index(mode) > order.index(_COUNTS["mode"]):
-        _COUNTS["mode"] = mode
-
-
-def note_if_nothing_scheduled() -> None:
-    """A distributed script that stepped an optimizer but built nothing bsrun schedules."""
-    if _COUNTS["mode"] == "off" and _COUNTS["steps"] and (world_size() or 1) > 1:
-        say_once("nothing was scheduled: this script built no DistributedDataParallel model "
-                 "and no hvd.DistributedOptimizer, so its communication ran as written")
-
-
-def count_step() -> int:
-    """Called at each optimizer step(); returns its number (1 for the first)."""
-    _COUNTS["steps"] += 1
-    return _COUNTS["steps"]
-
-
-def step_finished(number: int) -> None:
-    """After step() number `number` returned to the script's side of bsrun."""
-    for listener in list(STEP_LISTENERS):
-        listener(number)
-
-
-def counters() -> dict:
-    stats = {"tasks": 0, "partitions": 0, "bytes": 0, "rounds": 0, "negotiations": 0}
-    for rt in list(RUNTIMES):
-        for key, value in rt.counters().items():
-            stats[key] += value
-    return {**stats, **_COUNTS, "notes": list(_NOTES)}
-
-
-def runtime_of(params) -> "ModelRuntime | None":
-    ids = {id(p) for p in params}
-    for rt in list(RUNTIMES):
-        if ids & rt.index.keys():
-            return rt
-    return None
-
-
-def flush_all() -> None:
-    for rt in list(RUNTIMES):
-        rt.flush()
-
-
-def close_all() -> None:
-    for rt in list(RUNTIMES):
-        rt.close()
+from bsrun.sched.task import Layout, forward_order
 
 
 def _step_subset(optimizer, snapshot, items) -> None:
     """optim.step_subset, timed for the profile recorder when one records."""
-    began = time.perf_counter_ns() if TRACE is not None else 0
+    recorder = state.recorder
+    began = time.perf_counter_ns() if recorder is not None else 0
     optim.step_subset(optimizer, snapshot, items)
-    if TRACE is not None and items:
-        TRACE.updated([p for _, p in items], began)
-
-
-class Transport(Protocol):
-    """How one model's ranks talk (torch.distributed groups, or Horovod)."""
-
-    def agree(self, values: list[int]) -> list[int]:
-        """Rank 0's values, on every rank (a collective of the training thread)."""
-
-    def backend(self, partitions, grad_of, dtypes) -> CommBackend:
-        """The scheduler's backend for these partitions."""
-
-    def credit(self, credit_bytes: int) -> int:
-        """The credit this rank's scheduler keeps to."""
+    if recorder is not None and items:
+        recorder.updated([p for _, p in items], began)
 
 
 class ModelRuntime:
@@ -157,13 +63,15 @@ class ModelRuntime:
         self.sync_backward = True                 # set by each forward (no_sync turns it off)
         self.first_use: list[int] = []
         self._first_use_seen: set[int] = set()
-        self.partitions = None
+        self.layout: Layout | None = None
+        self.partition_bytes = config.partition    # until rank 0's values are agreed at the
+        self.credit_bytes = config.credit_bytes    # first synchronising backward pass
         self.scheduler: Scheduler | None = None
         self._seen_this_backward: set[int] = set()
         self._handles = []
         self.dependencies = DependencyCounter(self.index) if config.order == "tic" else None
         self._register_hooks(modules)
-        RUNTIMES.add(self)
+        state.MODELS.add(self)
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -182,8 +90,12 @@ class ModelRuntime:
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @property
+    def partitions(self):
+        return self.layout.partitions if self.layout is not None else None
+
     def before_forward(self, owned: list[int]) -> None:
-        if self.partitions is None:
+        if self.layout is None:
             for i in owned:
                 if i not in self._first_use_seen:
                     self._first_use_seen.add(i)
@@ -191,7 +103,7 @@ class ModelRuntime:
         self.settle(owned)
 
     def _note_output(self, owned: list[int], output) -> None:
-        if self.partitions is None:  # until the order is fixed
+        if self.layout is None:  # until the order is fixed
             self.dependencies.module_output(owned, output)
 
     def _on_grad(self, param) -> None:
@@ -216,18 +128,15 @@ class ModelRuntime:
         with self.cv:
             self.grads[i] = param.grad
             self.ready[i] += 1
-        for pid in self.partitions_of[i]:
-            self.waiting[pid] -= 1
-            if self.waiting[pid] == 0:
-                self.waiting[pid] = len(self.tensors_of[pid])
-                self.scheduler.mark_ready(pid)
+        for pid in self.layout.tensor_ready(i):
+            self.scheduler.mark_ready(pid)
 
     def _end_of_backward(self) -> None:
         """Parameters the forward pass did not use still take part, with zero gradients."""
         missing = [i for i in range(len(self.params)) if i not in self._seen_this_backward]
         self._seen_this_backward = set()
         if missing:
-            say_once(f"{len(missing)} parameter(s) got no gradient in a backward pass; "
+            state.say_once(f"{len(missing)} parameter(s) got no gradient in a backward pass; "
                      f"bsrun all-reduces zeros for them (DDP would need find_unused_parameters=True)")
             self.settle(missing)  # no forward waited for them: finish their last round first
         for i in missing:
@@ -249,48 +158,36 @@ class ModelRuntime:
 
     def _start(self) -> None:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
-        n = len(self.params)
-        order = self._transfer_order(self.first_use + [i for i in range(n) if i not in self._first_use_seen])
-        mine = [self.config.partition, self.config.credit_bytes]
+        order = self._transfer_order(forward_order(self.first_use, len(self.params)))
+        mine = [self.partition_bytes, self.credit_bytes]
         agreed = self.transport.agree(mine + order)
-        (partition, credit), order = agreed[:2], agreed[2:]
+        (self.partition_bytes, self.credit_bytes), order = agreed[:2], agreed[2:]
         if agreed[:2] != mine:
-            warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
-                 f"({partition} B, {credit} B); every rank uses rank 0's")
+            state.warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
+                       f"({self.partition_bytes} B, {self.credit_bytes} B); every rank uses rank 0's")
         infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
-        self.partitions = plan_partitions(infos, order, partition)
-        self.tensors_of = [sorted({pc.tensor for pc in part.pieces}) for part in self.partitions]
-        self.waiting = [len(t) for t in self.tensors_of]
-        self.partitions_of = [[] for _ in range(n)]
-        for part in self.partitions:
-            for pc in part.pieces:
-                self.partitions_of[pc.tensor].append(part.pid)
-        self.parts_left = [len(ps) for ps in self.partitions_of]
+        self.layout = Layout(plan_partitions(infos, order, self.partition_bytes), len(self.params))
         backend = self.transport.backend(self.partitions, lambda i: self.grads[i],
                                          {str(p.dtype): p.dtype for p in self.params})
+        recorder = state.recorder
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
-                                   self.transport.credit(credit),
+                                   self.transport.credit(self.credit_bytes),
                                    self._on_partition_done, self._on_error,
-                                   trace=TRACE.scheduler_trace(self) if TRACE is not None else None)
+                                   trace=recorder.scheduler_trace(self) if recorder is not None else None)
 
     def _transfer_order(self, forward: list[int]) -> list[int]:
         """--order's priority; rank 0's wins at agreement."""
         try:
             return transfer_order(self.config.order, forward, self.names, self.dependencies)
         except (OSError, ValueError, KeyError) as e:
-            say_once(f"--order {self.config.order}: {e}; using the forward order")
+            state.say_once(f"--order {self.config.order}: {e}; using the forward order")
             return forward
         finally:
             if self.dependencies is not None:
                 self.dependencies.release()
 
     def _on_partition_done(self, pid: int) -> None:  # comm thread
-        finished = []
-        for i in self.tensors_of[pid]:
-            self.parts_left[i] -= 1
-            if self.parts_left[i] == 0:
-                self.parts_left[i] = len(self.partitions_of[i])
-                finished.append(i)
+        finished = self.layout.partition_finished(pid)
         if finished:
             with self.cv:
                 for i in finished:
@@ -311,25 +208,26 @@ class ModelRuntime:
         with self.cv:
             while self.error is None and any(self.in_flight(i) for i in indices):
                 if not self.cv.wait(timeout=self.config.timeout):
-                    raise TimeoutError(_failed(f"gradient communication made no progress for "
+                    raise TimeoutError(state.failed(f"gradient communication made no progress for "
                                                f"{self.config.timeout:g} s; {self._waiting_on(indices)}"))
             if self.error is not None:
-                raise RuntimeError(_failed(f"gradient communication failed ({self._waiting_on(indices)}): "
+                raise RuntimeError(state.failed(f"gradient communication failed ({self._waiting_on(indices)}): "
                                            f"{self.error}")) from self.error
 
     def _waiting_on(self, indices) -> str:
         i = next((i for i in indices if self.in_flight(i)), indices[0])
-        return (f"waiting for {self.names[i]} (partition {self.partitions_of[i][0]}, "
+        return (f"waiting for {self.names[i]} (partition {self.layout.partitions_of[i][0]}, "
                 f"round {self.ready[i]}) from another rank")
 
     def settle(self, indices) -> None:
         """Make these parameters current: communication done, update applied, zero applied."""
         if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
             return
-        began = time.perf_counter_ns() if TRACE is not None else 0
+        recorder = state.recorder
+        began = time.perf_counter_ns() if recorder is not None else 0
         self.wait_for(indices)
-        if TRACE is not None:
-            TRACE.waited(self, indices, began)
+        if recorder is not None:
+            recorder.waited(self, indices, began)
         with self.cv:  # with these, every other update that is ready: one optimizer call, not many
             ready = [i for i in self.pending if not self.in_flight(i)]
         self.apply_updates(ready)
@@ -359,7 +257,7 @@ class ModelRuntime:
                      if (i := self.index.get(id(p))) is not None and i in self.pending])
         reason = optim.why_not_elementwise(optimizer, closure)
         if reason is not None:
-            say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
+            state.say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
             self.flush()
             if closure is None:
                 return optim.full_step(optimizer)
@@ -405,4 +303,4 @@ class ModelRuntime:
             self.scheduler.close(timeout=0 if self.error else 5.0)  # a failed one may be stuck in gloo
         for handle in self._handles:
             handle.remove()
-        self._handles = []  # its counters stay in RUNTIMES for the run report
+        self._handles = []  # its counters stay in state.MODELS for the run report

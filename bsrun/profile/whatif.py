@@ -15,12 +15,13 @@ compute and communication, event by event, and returns the steady-state step tim
 
 - scheduled (bsrun): partitions from bsrun.sched.partition.plan_partitions in the
   forward pass's first-use order; a partition is issued when it is ready on every rank
-  (plus the decision latency), most urgent first, while the bytes in flight stay within
-  the credit (as bsrun/sched/core.py decides); transfers share one link, in issue order;
+  (plus the decision latency) by the scheduler's own rule (bsrun.sched.task.next_to_issue:
+  most urgent first, while the bytes in flight stay within the credit); transfers share
+  one link, in issue order;
   each layer's next forward waits for its own partitions and applies the updates that
   are ready (the dependency proxy); step() updates what has arrived.
-- unscheduled (DDP): buckets of 25 MiB (the first 1 MiB) in the order gradients became
-  ready, each all-reduced once it and the ones before it are ready on every rank; the
+- unscheduled (DDP): DDP's buckets (bsrun.sched.partition.ddp_buckets) in the order
+  gradients became ready, each all-reduced once it and the ones before it are ready on every rank; the
   backward pass ends by waiting for every bucket, then one full optimizer step.
 
 Between modes the compute changes by what scheduling costs the training thread, a
@@ -40,7 +41,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
-from bsrun.sched.partition import TensorInfo, plan_partitions
+from bsrun.sched import task
+from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 
 # What scheduling costs the training thread per gradient tensor and iteration (grad hooks,
 # readiness bookkeeping, the dependency proxy's checks, the comm threads' Python under the
@@ -49,8 +51,6 @@ from bsrun.sched.partition import TensorInfo, plan_partitions
 # (161 tensors) 54 and 36 ms at 1 and 3 Gbit/s (BENCHMARKS.md). One profile cannot tell it
 # apart from the layers' own compute, so it is a constant.
 SCHEDULING_S_PER_TENSOR = 0.28e-3
-DDP_FIRST_BUCKET = 1024 * 1024    # torch DDP's defaults (2.x): the first bucket 1 MiB,
-DDP_BUCKET = 25 * 1024 * 1024     # the others 25 MiB
 REPLAY_ITERATIONS = 8
 
 
@@ -238,36 +238,21 @@ def fit(trace: dict) -> Model:
 
 def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: float, beta: float,
                  decision: float, link_free: float) -> dict[int, float]:
-    """Finish time of each partition of one round under bsrun's rule (core.py)."""
+    """Finish time of each partition of one round under the scheduler's issue rule."""
     known = {p: t + decision for p, t in ready.items()}
     finish: dict[int, float] = {}
     t = min(known.values())
     while len(finish) < len(known):
-        candidates = [p for p, k in known.items() if p not in finish and k <= t]
+        candidates = {p for p, k in known.items() if p not in finish and k <= t}
         in_flight = sum(sizes[p] for p, f in finish.items() if f > t)
-        if candidates:
-            p = min(candidates)
-            if in_flight == 0 or in_flight + sizes[p] <= credit:
-                start = max(t, link_free)
-                link_free = finish[p] = start + alpha + beta * sizes[p]
-                continue
+        p = task.next_to_issue(candidates, in_flight, sizes, credit)
+        if p is not None:
+            start = max(t, link_free)
+            link_free = finish[p] = start + alpha + beta * sizes[p]
+            continue
         later = [k for p, k in known.items() if p not in finish and k > t] + [f for f in finish.values() if f > t]
         t = min(later)
     return finish
-
-
-def ddp_buckets(params: list[dict], order: list[int]) -> list[list[int]]:
-    """DDP's buckets over parameters taken in `order` (gradient-ready order)."""
-    buckets, current, size = [], [], 0
-    for i in order:
-        current.append(i)
-        size += params[i]["bytes"]
-        if size >= (DDP_FIRST_BUCKET if not buckets else DDP_BUCKET):
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def _forward(rank: RankCompute, begin: float, layer_deps: dict[str, list[int]], done_at: dict[int, float],
@@ -293,11 +278,11 @@ def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[li
     if not scheduled:
         r0 = model.ranks[0]
         ready_order = sorted(range(len(params)), key=lambda i: r0.ready_at.get(params[i]["name"], float("inf")))
-        buckets = ddp_buckets(params, ready_order)
+        buckets = [[ready_order[k] for k in b] for b in ddp_buckets([params[i]["bytes"] for i in ready_order])]
         return buckets, [sum(params[i]["bytes"] for i in b) for b in buckets]
     index = {p["name"]: i for i, p in enumerate(params)}
     first_use = [index[n] for layer in model.forward_layers for n in model.layer_params.get(layer, []) if n in index]
-    order = list(dict.fromkeys(first_use + list(range(len(params)))))
+    order = task.forward_order(first_use, len(params))
     infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"]) for p in params]
     parts = plan_partitions(infos, order, partition_bytes)
     return [sorted({pc.tensor for pc in part.pieces}) for part in parts], [part.nbytes for part in parts]

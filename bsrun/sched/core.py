@@ -6,6 +6,9 @@ condition variable: the control thread agrees with the other ranks and
 issues collectives; the finisher hands each result back as it finishes (in order on one
 gloo group; polled where the transport may finish them out of order, as Horovod does).
 
+The issue rule itself is `next_to_issue` in bsrun/sched/task.py (the partition's life);
+this module applies it to the picture the ranks agree on.
+
 Agreement without a leader. All ranks take part in a sequence of small negotiations on
 a channel of their own (not behind the gradient bytes): each rank contributes its
 readiness bitmap of the round's partitions and its count of finished collectives, and
@@ -42,6 +45,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+from bsrun.sched.task import next_to_issue
+
 
 class CommBackend(Protocol):
     world_size: int
@@ -58,6 +63,20 @@ class CommBackend(Protocol):
 
     def negotiate(self, values: Sequence[int]) -> list[int]:
         """Blocking: the elementwise minimum of `values` over all ranks."""
+
+
+class Transport(Protocol):
+    """How one model's ranks talk: torch.distributed groups, parameter servers or Horovod.
+    Each backend module holds its transport and its policy (e.g. Horovod's credit)."""
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Rank 0's values, on every rank (a collective of the training thread)."""
+
+    def backend(self, partitions, grad_of, dtypes) -> CommBackend:
+        """The scheduler's backend for these partitions."""
+
+    def credit(self, credit_bytes: int) -> int:
+        """The credit this rank's scheduler keeps to."""
 
 
 class SchedulerClosed(RuntimeError):
@@ -222,12 +241,9 @@ class Scheduler:
     def _issue(self, round_, issued, issued_set, everywhere, finished_everywhere) -> None:
         """Issue, most urgent first, what is ready everywhere and fits in the credit."""
         while True:
-            candidates = everywhere - issued_set
-            if not candidates:
-                return
-            choice = min(candidates)
-            unfinished = issued[finished_everywhere:]
-            if unfinished and sum(self.sizes[p] for p in unfinished) + self.sizes[choice] > self.credit:
+            in_flight = sum(self.sizes[p] for p in issued[finished_everywhere:])
+            choice = next_to_issue(everywhere - issued_set, in_flight, self.sizes, self.credit)
+            if choice is None:
                 return
             if self.trace is not None:
                 self.trace("post", choice, time.perf_counter_ns())

@@ -7,17 +7,26 @@ credit (the runtime gives the other ranks an unbounded credit, so they submit ea
 partition as soon as it is ready there); the order in which rank 0 submits is then the
 order in which Horovod runs them, and no rank can wait on a partition that another rank
 holds back. They finish in Horovod's order, not in the order this rank posted them, so
-the core polls them (`in_order = False`) rather than wait for the oldest. Averaging is Horovod's own (op Average with its pre/post scale factors), so
-results match plain `hvd.DistributedOptimizer`.
+the core polls them (`in_order = False`) rather than wait for the oldest. Averaging is
+Horovod's own (op Average with its pre/post scale factors), so results match plain
+`hvd.DistributedOptimizer`.
+
+`HorovodTransport` holds that policy: rank 0's credit is the config's, every other
+rank's is unlimited; agreement is a named Horovod broadcast.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import horovod.torch as hvd
+import torch
 
+from bsrun.config import UNLIMITED_CREDIT
 from bsrun.sched.buffers import PartitionBuffers
+
+_MODEL_NUMBERS = itertools.count()  # the same sequence on every rank: names Horovod can match
 
 
 class HorovodBackend(PartitionBuffers):
@@ -51,3 +60,23 @@ class HorovodBackend(PartitionBuffers):
 
     def negotiate(self, values: Sequence[int]) -> list[int]:
         return list(values)
+
+
+class HorovodTransport:
+    def __init__(self, op, gradient_predivide_factor: float):
+        self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
+        self.op = op
+        average = op == hvd.Average
+        self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
+        self.postscale = gradient_predivide_factor if average else 1.0
+
+    def agree(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
+
+    def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
+        return HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
+
+    def credit(self, credit_bytes: int) -> int:
+        """Rank 0 alone holds back; the others submit all that is ready (see above)."""
+        return credit_bytes if hvd.rank() == 0 else UNLIMITED_CREDIT

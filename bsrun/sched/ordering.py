@@ -13,12 +13,16 @@
   layers in forward order) and P its compute time. The best by that rule is taken, its
   transfers leave the outstanding set, and the rest are compared again.
 
-Pure functions of their inputs: no torch, no timing.
+Pure functions of their inputs: no torch, no timing. TAC's order is computed once, in
+the launcher, from a profile (bsrun/profile/tac.py), and reaches the workers as the
+parameter names in TAC_ORDER_FILE inside the profile's folder.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+TAC_ORDER_FILE = "tac-order.json"  # {"order": [parameter name, ...]}, most urgent first
 
 
 def fifo_order(forward: list[int]) -> list[int]:

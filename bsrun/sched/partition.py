@@ -7,6 +7,9 @@ partition up to the partition size, so a model of many small tensors does not pa
 collective's latency for each. A partition size of 0 keeps every tensor whole and
 alone (the unscheduled baselines' granularity). Partition ids are assigned in priority order, so
 "lowest id first" is the whole priority rule and ties cannot happen.
+
+`ddp_buckets` is the other layout in this project: torch DDP's own buckets, which the
+benchmark's bound mode and the what-if replay of an unscheduled run both reproduce.
 """
 
 from __future__ import annotations
@@ -79,3 +82,24 @@ def plan_partitions(tensors: list[TensorInfo], order: list[int], partition_bytes
         group_bytes += nbytes
     close_group()
     return partitions
+
+
+# torch DDP's defaults (2.x): the first bucket closes at 1 MiB so communication starts
+# early, the others at 25 MiB; buckets fill in the order gradients become ready.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def ddp_buckets(nbytes: list[int]) -> list[list[int]]:
+    """DDP's buckets over tensors of these sizes, taken in the order given (gradient-ready
+    order): each bucket is a list of positions in `nbytes`."""
+    buckets, current, size = [], [], 0
+    for position, n in enumerate(nbytes):
+        current.append(position)
+        size += n
+        if size >= (DDP_FIRST_BUCKET_BYTES if not buckets else DDP_BUCKET_BYTES):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

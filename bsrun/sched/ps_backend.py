@@ -10,14 +10,21 @@ worker B has not pushed, and B the reverse).
 
 gloo's point-to-point work cannot be polled (it completes only in wait()), so results are
 taken in the order posted (`in_order`); a sum that arrives early waits in its buffer.
+
+`PSTransport`: the ranks agree and negotiate as for all-reduce; the bytes go to the
+servers. Each model of the process is a numbered model on the servers.
 """
 
 from __future__ import annotations
 
+import itertools
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 
 from bsrun.sched.ps_protocol import HEADER_TAG, Group, assign_servers, data_tag, encode_layout, layout_key
-from bsrun.sched.torch_backend import TorchDistBackend
+from bsrun.sched.torch_backend import TorchDistBackend, TorchTransport
 
 
 class _PushPull:
@@ -56,3 +63,19 @@ class PSBackend(TorchDistBackend):
         works = [pg.send([header], server, HEADER_TAG), pg.send([data], server, tag)]
         works.append(pg.recv([data], server, tag))
         return pid, data, _PushPull(works, header)
+
+
+_GROUP: list[Group] = []  # this worker's place among workers and servers, made once
+_MODEL_NUMBERS = itertools.count()  # the same sequence on every worker
+
+
+class PSTransport(TorchTransport):
+    def __init__(self, ranks: list[int], timeout: timedelta):
+        super().__init__(ranks, timeout)
+        if not _GROUP:
+            _GROUP.append(Group.from_env(dist.get_rank(), timeout))
+        self.group = _GROUP[0]
+        self.model = next(_MODEL_NUMBERS)
+
+    def backend(self, partitions, grad_of, dtypes) -> PSBackend:
+        return PSBackend(self.group, self.model, self.negotiation_group, partitions, grad_of, dtypes)

@@ -1,12 +1,16 @@
-"""CommBackend over torch.distributed: one all-reduce per partition, negotiations apart.
+"""The torch.distributed transport: one all-reduce per partition, negotiations apart.
 
-Gradient bytes go over one process group, negotiations over another, so a negotiation
-waits only behind the network's queue, never behind megabytes of gradients on the same
-connection. The result is averaged in place (sum / world size), as DDP does.
+A model's ranks talk over three gloo groups of bsrun's own (`TorchTransport`): gradient
+bytes (the backend's collectives), negotiations (the scheduler's control thread) and
+the training thread's collectives (agreeing on the order, broadcasting buffers). So a
+negotiation waits only behind the network's queue, never behind megabytes of gradients
+on the same connection, and no two threads ever share a group. The result is averaged in
+place (sum / world size), as DDP does.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -41,3 +45,23 @@ class TorchDistBackend(PartitionBuffers):
         negated = -torch.tensor(values, dtype=torch.int64)  # min = -max(-x); gloo has MAX
         dist.all_reduce(negated, op=dist.ReduceOp.MAX, group=self.negotiation_group)
         return (-negated).tolist()
+
+
+class TorchTransport:
+    """A model's ranks over three gloo groups of their own (see the module's docstring)."""
+
+    def __init__(self, ranks: list[int], timeout: timedelta):
+        self.data_group, self.negotiation_group, self.control_group = (
+            dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+            for _ in range(3))
+
+    def agree(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
+        return tensor.tolist()
+
+    def backend(self, partitions, grad_of, dtypes) -> TorchDistBackend:
+        return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes)
+
+    def credit(self, credit_bytes: int) -> int:
+        return credit_bytes

@@ -1,0 +1,151 @@
+"""This worker process's bsrun state: who it is, its config, and what it has done so far.
+
+A leaf (the standard library and bsrun.config only; no torch), so every other module of
+inject/ can read and report through it without importing the modules that do the work:
+the rank and world size, the config resolved once, the notes users see once, the
+counters of the run summary, the models being scheduled (their ModelRuntime objects,
+by duck type: `index`, `flush()`, `close()`, `counters()`), the step listeners and the
+profile recorder's slot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+
+from bsrun.config import DEBUG_ENV, SchedConfig, worker_setting
+
+RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+SIZE_VARIABLES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+MODELS: weakref.WeakSet = weakref.WeakSet()  # every ModelRuntime of this process
+STEP_LISTENERS: list = []  # callables(step_number), run after each optimizer step() returns
+recorder = None            # while `bsrun profile` records: its Recorder (bsrun/inject/record.py)
+_NOTES: list[str] = []
+_COUNTS = {"mode": "off", "steps": 0}
+_CONFIG: list[SchedConfig] = []
+
+
+def _first_number(names, env):
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def worker_rank(env=os.environ):
+    """This process's global rank, or None when it is not a training worker."""
+    return _first_number(RANK_VARIABLES, env)
+
+
+def world_size(env=os.environ):
+    """The number of workers its launcher started, or None when not a training worker."""
+    return _first_number(SIZE_VARIABLES, env)
+
+
+def config() -> SchedConfig:
+    """The config the launcher exported, resolved once for the whole process."""
+    if not _CONFIG:
+        _CONFIG.append(SchedConfig.from_env())
+    return _CONFIG[0]
+
+
+def debug(message: str) -> None:
+    if worker_setting(DEBUG_ENV) == "1":
+        print(f"bsrun[{worker_rank()}]: {message}", file=sys.stderr, flush=True)
+
+
+# --- what users are told ------------------------------------------------------------------
+
+
+def say_once(message: str) -> None:
+    """A note users see once per run (and in the run summary)."""
+    if message not in _NOTES:
+        _NOTES.append(message)
+        if (worker_rank() or 0) == 0:
+            print(f"bsrun: {message}", file=sys.stderr, flush=True)
+
+
+def warn(message: str) -> None:
+    """A note from this rank, whatever its rank (say_once speaks for all from rank 0)."""
+    if message not in _NOTES:
+        _NOTES.append(message)
+        print(f"bsrun: rank {worker_rank()}: {message}", file=sys.stderr, flush=True)
+
+
+def failed(message: str) -> str:
+    """The reason this rank is about to fail, kept for the run summary's failure line."""
+    _COUNTS["error"] = message
+    return f"bsrun: {message}"
+
+
+# --- what the run summary counts --------------------------------------------------------
+
+
+def set_mode(mode: str) -> None:
+    """scheduled > fallback > off: the run summary reports the most scheduled model."""
+    order = ("off", "fallback", "scheduled")
+    if order.index(mode) > order.index(_COUNTS["mode"]):
+        _COUNTS["mode"] = mode
+
+
+def note_if_nothing_scheduled() -> None:
+    """A distributed script that stepped an optimizer but built nothing bsrun schedules."""
+    if _COUNTS["mode"] == "off" and _COUNTS["steps"] and (world_size() or 1) > 1:
+        say_once("nothing was scheduled: this script built no DistributedDataParallel model "
+                 "and no hvd.DistributedOptimizer, so its communication ran as written")
+
+
+def count_step() -> int:
+    """Called at each optimizer step(); returns its number (1 for the first)."""
+    _COUNTS["steps"] += 1
+    return _COUNTS["steps"]
+
+
+def step_finished(number: int) -> None:
+    """After step() number `number` returned to the script's side of bsrun."""
+    for listener in list(STEP_LISTENERS):
+        listener(number)
+
+
+def counters() -> dict:
+    """This rank's part of the run summary: its models' counters, mode, steps and notes."""
+    stats = {"tasks": 0, "partitions": 0, "bytes": 0, "rounds": 0, "negotiations": 0}
+    for model in list(MODELS):
+        for key, value in model.counters().items():
+            stats[key] += value
+    return {**stats, **_COUNTS, "notes": list(_NOTES)}
+
+
+# --- the scheduled models ---------------------------------------------------------------
+
+
+def model_of(params):
+    """The ModelRuntime that schedules any of these parameters, or None."""
+    ids = {id(p) for p in params}
+    for model in list(MODELS):
+        if ids & model.index.keys():
+            return model
+    return None
+
+
+def agreed_sizes() -> tuple[int, int]:
+    """Partition and credit in bytes as rank 0 agreed them for this process's models (the
+    first that agreed), or the config's before any model has: what a run reports."""
+    for model in list(MODELS):
+        if model.layout is not None:
+            return model.partition_bytes, model.credit_bytes
+    return config().partition, config().credit_bytes
+
+
+def flush_all() -> None:
+    """Every model's scheduled communication finished and its updates applied."""
+    for model in list(MODELS):
+        model.flush()
+
+
+def close_all() -> None:
+    for model in list(MODELS):
+        model.close()
