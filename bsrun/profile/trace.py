@@ -1,6 +1,7 @@
 """The ranks' recordings -> one Chrome trace (Perfetto, chrome://tracing).
 
-Each rank wrote `rank-<r>.jsonl` (bsrun/inject/record.py). Here they become one
+Each rank wrote `rank-<r>.jsonl` (bsrun/inject/record.py, in the format of
+bsrun/trace_events.py, whose kinds and fields this reads). Here they become one
 `trace.json`: a process per rank, named threads for compute (forward and backward spans
 per module, the passes, waits, step marks, gradient-ready marks), communication (each
 partition's or bucket's transfer), the communication queue (how long each waited between
@@ -24,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bsrun import trace_events as ev
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_text
 
@@ -49,7 +51,7 @@ class RankRecording:
 
 
 def read_rank_file(path: Path) -> RankRecording:
-    rec = RankRecording(int(path.stem.split("-")[-1]))
+    rec = RankRecording(ev.rank_of_file(path))
     with open(path) as f:
         for line in f:
             try:
@@ -57,26 +59,26 @@ def read_rank_file(path: Path) -> RankRecording:
             except ValueError:
                 rec.bad_lines += 1  # cut short by a kill: everything before it stands
                 continue
-            kind = obj.get("meta")
+            kind = obj.get(ev.META_KEY)
             if kind is None:
-                rec.events.extend(obj.get("events", []))
-            elif kind == "rank":
+                rec.events.extend(obj.get(ev.EVENTS_KEY, []))
+            elif kind == ev.RANK:
                 rec.info = obj
-            elif kind == "clock":
+            elif kind == ev.CLOCK:
                 rec.clock = obj
-            elif kind == "model":
+            elif kind == ev.MODEL:
                 rec.models.append(obj)
-            elif kind == "partitions":
+            elif kind == ev.PARTITIONS:
                 rec.partitions[obj["scheduler"]] = obj
-            elif kind == "note":
+            elif kind == ev.NOTE:
                 rec.notes.append(obj["text"])
-            elif kind == "end":
+            elif kind == ev.END:
                 rec.ended = obj
     return rec
 
 
 def read_recordings(folder: Path) -> list[RankRecording]:
-    paths = sorted(Path(folder).glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[-1]))
+    paths = sorted(Path(folder).glob(ev.RANK_FILE_GLOB), key=ev.rank_of_file)
     return [read_rank_file(p) for p in paths]
 
 
@@ -131,49 +133,53 @@ def _rank_events(rec: RankRecording, base_ns: int) -> list[dict]:
     grads: dict[int, list[int]] = {}
     transfers = []  # (post_ns, finish_ns, ready_ns | None, name, args)
     layout: dict[tuple[int, int], list[int]] = {}
-    for e in rec.events:
-        kind = e[0]
-        if kind in ("F", "B"):
-            module = names.modules[e[1]] if e[1] < len(names.modules) else f"module{e[1]}"
-            if kind == "F":
-                out.append(_span(module, "forward", COMPUTE, r, us(e[2]), us(e[3]), {"module": module}))
+    for e in map(ev.parse, rec.events):
+        if isinstance(e, (ev.Forward, ev.Backward)):
+            module = names.modules[e.module] if e.module < len(names.modules) else f"module{e.module}"
+            if isinstance(e, ev.Forward):
+                out.append(_span(module, "forward", COMPUTE, r, us(e.start_ns), us(e.end_ns), {"module": module}))
             else:
-                out.append(_span(f"{module} bwd", "backward", COMPUTE, r, us(e[2]), us(e[3]), {"module": module}))
-        elif kind == "G":
-            grads.setdefault(e[1], []).append(e[2])
-            out.append(_instant("grad ready", "grad", COMPUTE, r, us(e[2]), args={"param": names.param(e[1])}))
-        elif kind == "P":
-            out.append(_span("forward pass" if e[1] == 0 else "backward pass", "pass", COMPUTE, r, us(e[2]), us(e[3])))
-        elif kind == "W":
-            out.append(_span("wait for comm", "wait", COMPUTE, r, us(e[1]), us(e[2]),
-                             {"params": [names.param(p) for p in e[3]]}))
-        elif kind == "Y":
-            out.append(_span("DDP forward sync (buffer broadcast)", "wait", COMPUTE, r, us(e[1]), us(e[2]),
+                out.append(_span(f"{module} bwd", "backward", COMPUTE, r, us(e.start_ns), us(e.end_ns),
+                                 {"module": module}))
+        elif isinstance(e, ev.GradReady):
+            grads.setdefault(e.param, []).append(e.at_ns)
+            out.append(_instant("grad ready", "grad", COMPUTE, r, us(e.at_ns), args={"param": names.param(e.param)}))
+        elif isinstance(e, ev.Pass):
+            out.append(_span("backward pass" if e.backward else "forward pass", "pass", COMPUTE, r, us(e.start_ns),
+                             us(e.end_ns)))
+        elif isinstance(e, ev.Wait):
+            out.append(_span("wait for comm", "wait", COMPUTE, r, us(e.start_ns), us(e.end_ns),
+                             {"params": [names.param(p) for p in e.params]}))
+        elif isinstance(e, ev.BufferSync):
+            out.append(_span("DDP forward sync (buffer broadcast)", "wait", COMPUTE, r, us(e.start_ns), us(e.end_ns),
                              {"params": []}))
-        elif kind == "U":
-            if e[3] is None:
-                out.append(_span("optimizer.step", "update", UPDATES, r, us(e[1]), us(e[2]), {"params": "all"}))
+        elif isinstance(e, ev.Update):
+            if e.params is None:
+                out.append(_span("optimizer.step", "update", UPDATES, r, us(e.start_ns), us(e.end_ns),
+                                 {"params": "all"}))
             else:
-                out.append(_span("update", "update", UPDATES, r, us(e[1]), us(e[2]),
-                                 {"params": [names.param(p) for p in e[3]],
-                                  "bytes": sum(names.params[p]["bytes"] for p in e[3] if 0 <= p < len(names.params))}))
-        elif kind == "S":
-            out.append(_instant(f"step {e[1]}", "step", COMPUTE, r, us(e[2]), scope="p", args={"step": e[1]}))
-        elif kind == "C":
-            _, sched, pid, round_, ready, post, finish = e
-            part = rec.partitions.get(sched, {}).get("partitions", [])
-            nbytes, pieces = (part[pid][1], part[pid][2]) if pid < len(part) else (0, [])
-            transfers.append((post, finish, ready, f"p{pid}" if len(rec.partitions) < 2 else f"s{sched}p{pid}",
-                              {"partition": pid, "scheduler": sched, "round": round_, "bytes": nbytes,
+                out.append(_span("update", "update", UPDATES, r, us(e.start_ns), us(e.end_ns),
+                                 {"params": [names.param(p) for p in e.params],
+                                  "bytes": sum(names.params[p]["bytes"] for p in e.params
+                                               if 0 <= p < len(names.params))}))
+        elif isinstance(e, ev.Step):
+            out.append(_instant(f"step {e.number}", "step", COMPUTE, r, us(e.at_ns), scope="p",
+                                args={"step": e.number}))
+        elif isinstance(e, ev.Partition):
+            part = rec.partitions.get(e.scheduler, {}).get("partitions", [])
+            nbytes, pieces = (part[e.partition][1], part[e.partition][2]) if e.partition < len(part) else (0, [])
+            name = f"p{e.partition}" if len(rec.partitions) < 2 else f"s{e.scheduler}p{e.partition}"
+            transfers.append((e.post_ns, e.finish_ns, e.ready_ns, name,
+                              {"partition": e.partition, "scheduler": e.scheduler, "round": e.round, "bytes": nbytes,
                                "pieces": [[names.param(p), b] for p, b in pieces]}))
-        elif kind == "K":
-            layout[(e[1], e[2])] = e[3]
-        elif kind == "D":
-            _, model, bucket, step, nbytes, post, finish = e
-            params = layout.get((model, bucket), [])
-            ready = [ts[i - 1] for p in params if (ts := grads.get(p)) and (i := bisect.bisect_right(ts, post)) > 0]
-            transfers.append((post, finish, max(ready) if ready else None, f"bucket {bucket}",
-                              {"bucket": bucket, "model": model, "step": step, "bytes": nbytes,
+        elif isinstance(e, ev.BucketParams):
+            layout[(e.model, e.bucket)] = e.params
+        elif isinstance(e, ev.Bucket):
+            params = layout.get((e.model, e.bucket), [])
+            ready = [ts[i - 1] for p in params
+                     if (ts := grads.get(p)) and (i := bisect.bisect_right(ts, e.post_ns)) > 0]
+            transfers.append((e.post_ns, e.finish_ns, max(ready) if ready else None, f"bucket {e.bucket}",
+                              {"bucket": e.bucket, "model": e.model, "step": e.step, "bytes": e.nbytes,
                                "pieces": [[names.param(p), names.params[p]["bytes"]] for p in params
                                           if 0 <= p < len(names.params)]}))
     transfers.sort(key=lambda t: (t[1], t[0]))
@@ -193,11 +199,8 @@ def _rank_events(rec: RankRecording, base_ns: int) -> list[dict]:
     return out
 
 
-TIME_FIELD = {"F": 2, "B": 2, "P": 2, "S": 2, "G": 2, "W": 1, "Y": 1, "U": 1, "C": 4, "D": 5}  # each kind's first time
-
-
 def _first_time(rec: RankRecording) -> int | None:
-    times = [e[TIME_FIELD[e[0]]] for e in rec.events if e[0] in TIME_FIELD]
+    times = [e[ev.FIRST_TIME[e[0]]] for e in rec.events if e[0] in ev.FIRST_TIME]
     return min(times) - rec.clock.get("offset_ns", 0) if times else None
 
 
@@ -269,7 +272,7 @@ def load(folder: Path) -> dict:
     if not folder.is_dir():
         raise BsrunError(f"no profile folder {folder}")
     if not path.exists():
-        if not list(folder.glob("rank-*.jsonl")):
+        if not list(folder.glob(ev.RANK_FILE_GLOB)):
             raise BsrunError(f"{folder} holds neither {TRACE_FILE} nor rank recordings")
         return merge(folder)
     try:
