@@ -25,18 +25,13 @@ NetemError saying so, never a silent no-op.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 
-import psutil
-
-from bsrun.errors import BsrunError
+from bsrun.launch import netns
+from bsrun.launch.netns import NetemError, cleanup_stale
 
 __all__ = [
     "NetemError",
@@ -66,16 +61,9 @@ BURST_FRACTION = 250
 QUEUE_SECONDS = 0.025
 MIN_LIMIT_BYTES = 256 * 1024
 
-_NETNS_RE = re.compile(r"^bsrun-(\d+)-(\d+)$")
-_LINK_RE = re.compile(r"^bsr(?:br(\d+)|v(\d+)x\d+)$")
-
 _UNITS_RATE = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _UNITS_TIME = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NUMBER_UNIT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
-
-
-class NetemError(BsrunError):
-    """Anything the user can get wrong or lack when emulating a network."""
 
 
 # ---------------------------------------------------------------- parsing
@@ -112,114 +100,6 @@ def parse_latency(text: str, option: str = "--emulate-latency") -> float:
     if isinstance(text, int):
         raise NetemError(f"{option} must be a time such as 100us, 2ms or 1s, got {text!r}")
     return _parse_quantity(text, _UNITS_TIME, option, "a time such as 100us, 2ms or 1s")
-
-
-# ---------------------------------------------------------------- commands
-
-
-def _require_tools() -> None:
-    """Fail with one sentence if iproute2 is missing."""
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise NetemError(
-                f"the `{tool}` command (iproute2) is not installed; "
-                "install iproute2 to emulate a network"
-            )
-
-
-def _require_root() -> None:
-    """Namespaces, bridges and qdiscs all need CAP_NET_ADMIN; we ask for root."""
-    if os.geteuid() != 0:
-        raise NetemError(
-            "emulating a network needs root (network namespaces, bridges and tc); "
-            "run as root or launch without network emulation"
-        )
-
-
-def _run(*cmd: str, timeout: float = 20.0) -> str:
-    """Run one `ip` / `tc` command; on failure raise NetemError with its stderr."""
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except FileNotFoundError:
-        raise NetemError(
-            f"the `{cmd[0]}` command (iproute2) is not installed; "
-            "install iproute2 to emulate a network"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise NetemError(f"`{' '.join(cmd)}` did not finish in {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        detail = proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}"
-        raise NetemError(f"`{' '.join(cmd)}` failed: {detail}")
-    return proc.stdout
-
-
-def _try_run(*cmd: str) -> bool:
-    """Run a removal command, ignoring failure (the thing may already be gone)."""
-    try:
-        _run(*cmd)
-        return True
-    except NetemError:
-        return False
-
-
-# ---------------------------------------------------------------- discovery
-
-
-def _list_netns() -> list[str]:
-    """Names of all network namespaces `ip netns` knows."""
-    out = _run("ip", "-j", "netns", "list").strip()
-    return [entry["name"] for entry in json.loads(out)] if out else []
-
-
-def _list_links() -> list[str]:
-    """Names of all interfaces in the root namespace."""
-    out = _run("ip", "-j", "link", "show").strip()
-    return [entry["ifname"] for entry in json.loads(out)] if out else []
-
-
-def _owner_of_netns(name: str) -> int | None:
-    match = _NETNS_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def _owner_of_link(name: str) -> int | None:
-    match = _LINK_RE.match(name)
-    if not match:
-        return None
-    return int(match.group(1) or match.group(2))
-
-
-def _remove_owned(owner_filter) -> list[str]:
-    """Remove every bsrun namespace / link whose owner pid passes the filter.
-
-    Veths go first (deleting one end deletes both, even when a straggling
-    process keeps its namespace alive), then bridges, then namespaces.
-    Deleting an interface also deletes its qdiscs.
-    """
-    removed: list[str] = []
-    links = [n for n in _list_links() if (p := _owner_of_link(n)) is not None and owner_filter(p)]
-    for name in sorted(links, key=lambda n: n.startswith("bsrbr")):  # veths, then bridges
-        if _try_run("ip", "link", "del", name):
-            removed.append(name)
-    for name in _list_netns():
-        owner = _owner_of_netns(name)
-        if owner is not None and owner_filter(owner) and _try_run("ip", "netns", "del", name):
-            removed.append(name)
-    return removed
-
-
-def cleanup_stale() -> list[str]:
-    """Remove namespaces, bridges and veths left by bsrun owners that are dead.
-
-    An owner killed with SIGKILL cannot clean up after itself; the next run
-    does it here. Those of live owners are left alone (so is a dead owner's
-    whose pid has since been reused: erring towards keeping is safe).
-    """
-    _require_root()
-    _require_tools()
-    return _remove_owned(lambda pid: not psutil.pid_exists(pid))
 
 
 # ---------------------------------------------------------------- network
@@ -290,8 +170,8 @@ class EmulatedNetwork:
     def open(self) -> None:
         """Build the network; on any failure (even Ctrl-C) undo what was built."""
         global _active_in_process
-        _require_root()
-        _require_tools()
+        netns.require_root()
+        netns.require_tools()
         with _ACTIVE_LOCK:
             if _active_in_process is not None:
                 raise NetemError(
@@ -303,7 +183,7 @@ class EmulatedNetwork:
         try:
             cleanup_stale()
             # Leftovers of this very pid (an earlier network here whose close failed).
-            _remove_owned(lambda pid: pid == self.owner_pid)
+            netns.remove_owned(lambda pid: pid == self.owner_pid)
             self._create_bridge()
             for host in self.hosts:
                 self._create_host(host)
@@ -323,11 +203,11 @@ class EmulatedNetwork:
             return  # closed already, or a forked child that inherited atexit: not its network
         for kind, name in reversed(list(self._created)):
             if kind == "link":
-                _try_run("ip", "link", "del", name)
+                netns.try_run("ip", "link", "del", name)
             else:
-                _try_run("ip", "netns", "del", name)
+                netns.try_run("ip", "netns", "del", name)
         try:
-            _remove_owned(lambda pid: pid == self.owner_pid)
+            netns.remove_owned(lambda pid: pid == self.owner_pid)
         except NetemError:
             pass
         self._created.clear()
@@ -340,24 +220,24 @@ class EmulatedNetwork:
 
     def _create_bridge(self) -> None:
         """The switch in the root namespace that every host's link plugs into."""
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        netns.run("ip", "link", "add", self.bridge, "type", "bridge")
         self._created.append(("link", self.bridge))
-        _run("ip", "addr", "add", f"{GATEWAY_ADDR}/{PREFIX_LEN}", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        netns.run("ip", "addr", "add", f"{GATEWAY_ADDR}/{PREFIX_LEN}", "dev", self.bridge)
+        netns.run("ip", "link", "set", self.bridge, "up")
 
     def _create_host(self, host: EmulatedHost) -> None:
         """Namespace + veth (eth0 inside, bridge port outside) + address + shaping."""
         veth = self._veths[host.index]
-        _run("ip", "netns", "add", host.netns)
+        netns.run("ip", "netns", "add", host.netns)
         self._created.append(("netns", host.netns))
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", host.ifname, "netns", host.netns)
+        netns.run("ip", "link", "add", veth, "type", "veth", "peer", "name", host.ifname, "netns", host.netns)
         self._created.append(("link", veth))
-        _run("ip", "link", "set", veth, "master", self.bridge)
-        _run("ip", "link", "set", veth, "up")
+        netns.run("ip", "link", "set", veth, "master", self.bridge)
+        netns.run("ip", "link", "set", veth, "up")
         ns = ("ip", "-n", host.netns)
-        _run(*ns, "link", "set", "lo", "up")
-        _run(*ns, "addr", "add", f"{host.addr}/{PREFIX_LEN}", "dev", host.ifname)
-        _run(*ns, "link", "set", host.ifname, "up")
+        netns.run(*ns, "link", "set", "lo", "up")
+        netns.run(*ns, "addr", "add", f"{host.addr}/{PREFIX_LEN}", "dev", host.ifname)
+        netns.run(*ns, "link", "set", host.ifname, "up")
         if self.rate_bps is not None or self.latency_s is not None:
             self._shape(("tc", "-n", host.netns), host.ifname, self.latency_s)  # host -> switch
             self._shape(("tc",), veth, None)  # switch -> host
@@ -370,14 +250,14 @@ class EmulatedNetwork:
             parent = ("parent", "1:1")
         if self.rate_bps is not None:
             burst, limit = tbf_parameters(self.rate_bps)
-            _run(*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
+            netns.run(*tc, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
                  "rate", f"{self.rate_bps}bit", "burst", str(burst), "limit", str(limit))
 
     def _add_netem(self, tc: tuple[str, ...], dev: str, delay_s: float) -> None:
         """netem delay as the root qdisc; explain if the kernel has no netem."""
         delay = f"{int(round(delay_s * 1e6))}us"
         try:
-            _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+            netns.run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                  "delay", delay, "limit", "100000")
         except NetemError as err:
             if "unknown" in str(err).lower():
@@ -426,7 +306,9 @@ class EmulatedNetwork:
             raise NetemError("the emulated network is not up; use it inside its with-block")
         if len(self.hosts) < 2:
             raise NetemError("measuring the rate needs at least 2 emulated hosts")
-        return _measure_tcp(self, src, dst, seconds)
+        from bsrun.launch.linkrate import measure_tcp
+
+        return measure_tcp(self, src, dst, seconds)
 
 
 def tbf_parameters(rate_bps: int) -> tuple[int, int]:
@@ -435,79 +317,3 @@ def tbf_parameters(rate_bps: int) -> tuple[int, int]:
     burst = max(MIN_BURST_BYTES, int(rate_bytes / BURST_FRACTION))
     limit = max(MIN_LIMIT_BYTES, burst + int(rate_bytes * QUEUE_SECONDS))
     return burst, limit
-
-
-# ---------------------------------------------------------------- measuring
-
-_SERVER = r"""
-import socket, sys, time
-srv = socket.socket()
-srv.bind((sys.argv[1], 0))
-srv.listen(1)
-srv.settimeout(float(sys.argv[2]))
-print(srv.getsockname()[1], flush=True)
-conn, _ = srv.accept()
-conn.settimeout(float(sys.argv[2]))
-buf = bytearray(1 << 20)
-first = conn.recv_into(buf)
-start = time.monotonic()
-total = 0
-while True:
-    n = conn.recv_into(buf)
-    if not n:
-        break
-    total += n
-print(total, time.monotonic() - start, flush=True)
-"""
-
-_CLIENT = r"""
-import socket, sys, time
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
-chunk = memoryview(bytes(1 << 20))
-deadline = time.monotonic() + float(sys.argv[3])
-while time.monotonic() < deadline:
-    conn.sendall(chunk)
-conn.shutdown(socket.SHUT_WR)
-conn.recv(1)
-"""
-
-
-def _measure_tcp(net: EmulatedNetwork, src: int, dst: int, seconds: float) -> float:
-    """Run a tiny receiver in dst and a sender in src; return bit/s."""
-    budget = seconds + 15.0
-    server = subprocess.Popen(
-        net.wrap(dst, [sys.executable, "-c", _SERVER, net.hosts[dst].addr, str(budget)]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    client = None
-    try:
-        port = _read_line(server, timeout=10.0)
-        client = subprocess.Popen(
-            net.wrap(src, [sys.executable, "-c", _CLIENT, net.hosts[dst].addr, port, str(seconds)]),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        out, err = server.communicate(timeout=budget)
-        _, client_err = client.communicate(timeout=5.0)
-        if server.returncode != 0 or client.returncode != 0:
-            detail = (err.strip() or client_err.strip()).splitlines()[-1:] or ["no output"]
-            raise NetemError(f"the rate measurement between emulated hosts failed: {detail[0]}")
-        total, elapsed = out.split()
-        return int(total) * 8 / float(elapsed)
-    except subprocess.TimeoutExpired:
-        raise NetemError(f"the rate measurement did not finish in {budget:.0f} s") from None
-    finally:
-        for proc in (client, server):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """First stdout line of proc, or NetemError if it does not come in time."""
-    result: list[str] = []
-    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not result or not result[0].strip():
-        raise NetemError("the rate-measurement receiver did not start")
-    return result[0].strip()
