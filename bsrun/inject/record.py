@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from bsrun.config import PROFILE_DIR_ENV, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV, worker_setting
 from bsrun.inject import clock, ending, state
 from bsrun.inject.import_hook import when_imported
@@ -213,8 +215,6 @@ def _watch_horovod(recorder: Recorder, hvd) -> None:
 
 def _watch_ddp_construction(recorder: Recorder) -> None:
     """Every DDP the script builds (bsrun's ScheduledDDP, or the genuine one) is watched."""
-    import torch
-
     cls = torch.nn.parallel.DistributedDataParallel
     original = cls.__init__
 
