@@ -213,13 +213,12 @@ def _csv(values: str) -> list[str]:
 @click.option("--json", "json_path", default=None, help="also write the results to this JSON file")
 def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, json_path, arch, servers):
     """Side-by-side step times of DDP, Horovod, bsrun and the bounds, on an emulated network."""
-    from rich.console import Console
-
     from bsrun.bench.runner import run_bench
+    from bsrun.console import new_console
 
     rates = [None if b.lower() == "none" else b for b in _csv(bandwidths)]
     results = run_bench(_csv(models), nproc, rates, _csv(modes), steps, warmup, repeat, batch,
-                        json_path, Console(), arch, servers)
+                        json_path, new_console(), arch, servers)
     return 1 if any(r["failed_repeats"] for r in results) else 0
 
 
@@ -263,6 +262,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
     .bsrun/tune/<job>.jsonl keeps every trial: the same command resumes. The winner goes to
     .bsrun/tuned.json, and later runs of the same job (command, -np, network) use it.
     """
+    from bsrun.console import new_console
     from bsrun.tune import tuner
     from bsrun.tune.journal import TUNE_DIR
     from bsrun.tune.space import parse_space
@@ -278,7 +278,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
     setup = TrialSetup(_launch_flags(ctx, launch), list(command), warmup, steps, trial_timeout,
                        launch["grace"], TUNE_DIR / signature)
     job = tuner.Job(signature, list(command), launch["nproc"] or 1, hosts, setup)
-    console = _tune_console(as_json)
+    console = new_console(stderr=as_json)  # --json: the result alone on stdout
     try:
         if grid:
             result = tuner.grid(job, search_space, fresh, console)
@@ -292,14 +292,6 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
     if as_json:
         click.echo(json.dumps(result, indent=2))
     return 0
-
-
-def _tune_console(to_stderr: bool):
-    """Rich output; when it goes to a file or a pipe, wide enough for whole table rows."""
-    from rich.console import Console
-
-    console = Console(stderr=to_stderr)
-    return console if console.is_terminal else Console(stderr=to_stderr, width=max(console.width, 150))
 
 
 def _launch_flags(ctx, launch: dict) -> list[str]:
@@ -320,9 +312,10 @@ def _launch_flags(ctx, launch: dict) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="the journals' records as JSON")
 def tune_show(as_json):
     """Print the tuning journals of this folder (.bsrun/tune/) as tables."""
+    from bsrun.console import new_console
     from bsrun.tune import tuner
 
-    shown = tuner.show(_tune_console(as_json))
+    shown = tuner.show(new_console(stderr=as_json))
     if as_json:
         click.echo(json.dumps(shown, indent=2))
     return 0

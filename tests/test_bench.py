@@ -11,7 +11,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from bsrun.bench.runner import MODES, RunResult, run_bench, run_once, summarise
+from bsrun.bench.runner import MODES, RunResult, bench_table, run_bench, run_once, summarise
+from bsrun.console import new_console
 from bsrun.errors import BsrunError
 
 REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "spread", "speedup_vs_ddp",
@@ -93,3 +94,23 @@ def test_a_failed_run_is_reported_and_the_others_are_kept(tmp_path):
     (rec,) = summarise("tiny", None, 2, 3, [failed, ok], ["ddp"])
     assert rec["repeats"] == 1 and rec["failed_repeats"] == 1
     assert rec["median_step_s"] == pytest.approx(0.6) and rec["errors"] == ["exited with code 2"]
+
+
+def test_off_a_terminal_the_bench_table_prints_whole():
+    """Piped into a log, rich would wrap at 80 columns and cut labels ("bandw…", "bsrun…")."""
+    records = [{"model": "vgg16", "bandwidth": None, "mode": mode, "world_size": 2, "batch": 32,
+                "params": 138_357_544, "grad_bytes": 553_430_176, "median_step_s": 1.2345, "spread": [1.1, 1.3],
+                "step_iqr_s": 0.01, "repeats": 3, "failed_repeats": 0, "speedup_vs_ddp": 1.0,
+                "speedup_vs_horovod": 1.1, "speedup_vs_ps": None, "efficiency": 0.9}
+               for mode in ("ddp", "horovod", "bsrun-horovod")]
+    log = io.StringIO()  # not a terminal
+    new_console(file=log).print(bench_table("vgg16", records))
+    text = log.getvalue()
+    assert "…" not in text, text
+    lines = text.splitlines()
+    for label in ("bandwidth", "mode", "vs horovod", "efficiency", "repeats"):
+        assert any(label in line for line in lines if line.startswith("┃")), text
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 3, text  # one line per row: nothing wrapped
+    for row, mode in zip(rows, ("ddp", "horovod", "bsrun-horovod")):
+        assert row.split("│")[1].strip() == "loopback" and row.split("│")[2].strip() == mode, row

@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from bsrun.config import PROFILE_DIR_ENV, PROFILE_STEPS_ENV, PROFILE_WARMUP_ENV, parse_credit, parse_size
+from bsrun.console import new_console
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.profile import analysis, report, timeline, trace, whatif
@@ -25,12 +26,6 @@ from bsrun.profile import analysis, report, timeline, trace, whatif
 PROFILE_ROOT = Path(".bsrun") / "profile"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.png"
-
-
-def console_for(as_json: bool) -> Console:
-    """Tables on stdout (stderr under --json); wide enough for whole rows off a terminal."""
-    console = Console(stderr=as_json)
-    return console if console.is_terminal else Console(stderr=as_json, width=max(console.width, 160))
 
 
 def new_folder() -> Path:
@@ -126,7 +121,7 @@ def run(plan, folder: Path | None, warmup: int, steps: int | None, as_json: bool
     if as_json:
         print(json.dumps(summary, indent=2))
     else:
-        print_summary(summary, folder, console_for(False))
+        print_summary(summary, folder, new_console())
     return code
 
 
@@ -136,7 +131,7 @@ def show(folder: Path | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps(summary, indent=2))
     else:
-        print_summary(summary, folder, console_for(False))
+        print_summary(summary, folder, new_console())
     return 0
 
 
@@ -171,7 +166,7 @@ def what_if(folder: Path | None, partition: str | None, credit: str | None, sche
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
-    console = console_for(False)
+    console = new_console()
     console.print(report.whatif_table(rows))
     if p.get("measured_step_s"):
         console.print(f"measured step of the profiled run: {p['measured_step_s'] * 1e3:.1f} ms", highlight=False)
