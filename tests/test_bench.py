@@ -85,9 +85,9 @@ def test_bad_arguments_fail_before_launching(tmp_path):
 
 def test_a_failed_run_is_reported_and_the_others_are_kept(tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "bsrun", "--no-schedule", "-np", "2", sys.executable, "-m",
-           "bsrun.bench.worker", "--model", "tiny", "--mode", "ddp", "--steps", "0", "--out", str(out)]
-    failed = run_once(cmd, "ddp", tmp_path, out, timeout=60)
+    args = ["--no-schedule", "-np", "2", sys.executable, "-m", "bsrun.bench.worker", "--model", "tiny",
+            "--mode", "ddp", "--steps", "0", "--out", str(out)]
+    failed = run_once(args, "ddp", tmp_path, out, timeout=60)
     assert failed.error.startswith("exited with code 2"), failed.error
     assert "--steps and --batch must be at least 1" in failed.error  # the tail of its output
     ok = RunResult("ddp", [0.5, 0.7, 0.6], {"batch": 16, "params": 1, "grad_bytes": 4})

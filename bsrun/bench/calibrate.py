@@ -1,7 +1,7 @@
 """How far to trust `bsrun profile`: its recording overhead, and what-if against measurement.
 
-    python -m bsrun.profile.calibrate overhead --model resnet50 --bandwidth none --repeat 3
-    python -m bsrun.profile.calibrate whatif --model vgg16 --bandwidth 1gbit,3gbit
+    python -m bsrun.bench.calibrate overhead --model resnet50 --bandwidth none --repeat 3
+    python -m bsrun.bench.calibrate whatif --model vgg16 --bandwidth 1gbit,3gbit
 
 overhead: the bench worker (bsrun/bench/worker.py) launched alternately with and without
 `bsrun profile` (recording every step), scheduled and not; the step times are the
@@ -12,8 +12,8 @@ whatif: for each model and bandwidth, `bsrun bench --modes ddp,bsrun` measures b
 modes; one profile of each mode is taken on the same emulated network; from each profile
 both modes are predicted (`whatif.predict`) and compared with the measured medians.
 
-Both print a table and write JSON (--json FILE). They launch real jobs: run them on an
-otherwise idle machine.
+Both print a table and write JSON (--json FILE). They launch real jobs, as the benchmark
+does (run_once): run them on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from bsrun.bench.runner import launch_command, profile_command, run_bench, run_once, run_timeout_s
+from bsrun.bench.runner import launch_args, profile_args, run_bench, run_once, run_timeout_s
+from bsrun.console import new_console
 from bsrun.fsutil import atomic_write_json
 from bsrun.profile import trace, whatif
 
 
-def plain_command(model, mode, bandwidth, steps, warmup, batch, out) -> list[str]:
-    return launch_command(model, mode, 2, bandwidth, steps, warmup, batch, out)
+def plain_args(model, mode, bandwidth, steps, warmup, batch, out) -> list[str]:
+    return launch_args(model, mode, 2, bandwidth, steps, warmup, batch, out)
 
 
 def overhead(models, bandwidth, modes, steps, warmup, repeat, batch, console) -> list[dict]:
@@ -46,10 +46,10 @@ def overhead(models, bandwidth, modes, steps, warmup, repeat, batch, console) ->
                 for rep in range(repeat):
                     for kind in ("plain", "profiled"):
                         out = cwd / f"{model}-{mode}-{kind}-{rep}.json"
-                        cmd = (plain_command(model, mode, bandwidth, steps, warmup, batch, out) if kind == "plain"
-                               else profile_command(cwd / f"prof-{model}-{mode}-{rep}", model, mode, bandwidth,
-                                                    steps, warmup, batch, out))
-                        run = run_once(cmd, mode, cwd, out, run_timeout_s(steps, warmup))
+                        args = (plain_args(model, mode, bandwidth, steps, warmup, batch, out) if kind == "plain"
+                                else profile_args(cwd / f"prof-{model}-{mode}-{rep}", model, mode, bandwidth,
+                                                  steps, warmup, batch, out))
+                        run = run_once(args, mode, cwd, out, run_timeout_s(steps, warmup))
                         if run.error:
                             console.print(f"{model} {mode} {kind}: {run.error}", markup=False)
                             continue
@@ -83,8 +83,8 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
                 for source in ("ddp", "bsrun"):
                     folder = Path(keep or cwd) / f"prof-{model}-{bandwidth}-{source}"
                     out = cwd / "unused.json"
-                    cmd = profile_command(folder, model, source, bandwidth, 10000, warmup, batch, out, record_steps)
-                    run_once(cmd, source, cwd, out, run_timeout_s(record_steps, warmup))
+                    args = profile_args(folder, model, source, bandwidth, 10000, warmup, batch, out, record_steps)
+                    run_once(args, source, cwd, out, run_timeout_s(record_steps, warmup))
                     try:
                         model_fit = whatif.fit(trace.load(folder))
                     except Exception as e:  # a failed profile is reported, the others go on
@@ -115,7 +115,7 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bsrun.profile.calibrate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bsrun.bench.calibrate", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("overhead", "whatif"):
         s = sub.add_parser(name)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     sub.choices["whatif"].add_argument("--record-steps", type=int, default=6)
     sub.choices["whatif"].add_argument("--keep", default=None, help="keep the profiles in this folder")
     a = p.parse_args(argv)
-    console = Console(width=150)
+    console = new_console()
     models = a.model.split(",")
     bandwidths = [None if b == "none" else b for b in a.bandwidth.split(",")]
     if a.what == "overhead":

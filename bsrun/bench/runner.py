@@ -1,7 +1,8 @@
 """The side-by-side benchmark: the same workload under each mode, on the same network.
 
-Each (model, bandwidth, mode, repeat) is one real launch, `python -m bsrun ... -np N
-python -m bsrun.bench.worker ...`, so a measurement runs exactly what a user runs. The
+Each (model, bandwidth, mode, repeat) is one real launch, `bsrun ... -np N python -m
+bsrun.bench.worker ...` as a child process (bsrun.child: it ends with the benchmark), so a
+measurement runs exactly what a user runs. The
 modes of one model and bandwidth alternate (A B C A B C ...) so that drift on the
 machine hits all of them alike; speed is only ever reported as a ratio within one
 such group (DESIGN.md, "Measuring").
@@ -15,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,10 +25,11 @@ from pathlib import Path
 
 from rich.table import Table
 
-import bsrun
+from bsrun import child
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
+from bsrun.launch.summary import rank_modes, read_last_run
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
@@ -40,7 +41,6 @@ BENCH_MODES = (*MODES, "ps", *(f"bsrun:{o}" for o in ORDERS))
 SCHEDULED_MODES = ("bsrun", "bsrun-horovod", "ps", *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
 BASELINES = ("ddp", "horovod", "ps")  # each mode's speed is also given relative to these
 PS_BASELINE = ["--order", "fifo", "--partition", "tensor"]  # and the default credit: unlimited then
-PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
 TAIL_LINES = 20
 STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
 
@@ -50,20 +50,11 @@ def run_timeout_s(steps: int, warmup: int) -> float:
     return 120.0 + 20.0 * (steps + warmup)
 
 
-def _child_env() -> dict[str, str]:
-    """The caller's environment, made able to find this bsrun from a scratch folder."""
-    env = dict(os.environ)
-    env.pop("BSRUN_ACTIVE", None)  # the launcher sets it for its own workers
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([path] if path else []))
-    return env
-
-
 @functools.cache
 def available_models() -> tuple[str, ...]:
     """The worker's model names, asked from a child so this process stays torch-free."""
     proc = subprocess.run([sys.executable, "-m", "bsrun.bench.worker", "--list-models"],
-                          capture_output=True, text=True, env=_child_env(), timeout=120)
+                          capture_output=True, text=True, env=child.env(), timeout=120)
     if proc.returncode != 0:
         raise BsrunError(f"could not list the benchmark models: {_tail(proc.stdout + proc.stderr, 1)}")
     return tuple(proc.stdout.split())
@@ -105,46 +96,29 @@ def worker_mode(mode: str) -> str:
     return mode if mode in MODES else "bsrun"
 
 
-def launch_command(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
-                   warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
-                   profile: Path | None = None) -> list[str]:
-    """The bsrun command line for one run; only the SCHEDULED_MODES are scheduled."""
-    cmd = [sys.executable, "-m", "bsrun", *arch_flags(mode, arch, servers, profile)]
+def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
+                warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
+                profile: Path | None = None) -> list[str]:
+    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled."""
+    args = arch_flags(mode, arch, servers, profile)
     if bandwidth is not None:
-        cmd += ["--emulate-bandwidth", bandwidth]
-    cmd += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
-            "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+        args += ["--emulate-bandwidth", bandwidth]
+    args += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
+             "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
     if batch is not None:
-        cmd += ["--batch", str(batch)]
-    return cmd
+        args += ["--batch", str(batch)]
+    return args
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM first, so bsrun stops its workers and removes its network; then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -> RunResult:
+    """Launch `bsrun ARGS` in cwd, wait, read rank 0's result; any failure becomes RunResult.error.
 
-
-def run_once(cmd: list[str], mode: str, cwd: Path, out: Path, timeout: float) -> RunResult:
-    """Launch, wait, read rank 0's result; any failure becomes RunResult.error."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_child_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        output, _ = proc.communicate()
+    Ctrl-C stops the launch (bsrun tears down) before the caller sees it."""
+    code, output = child.run(args, timeout, STOP_GRACE_S, cwd=cwd)
+    if code is None:
         return RunResult(mode, error=f"did not finish in {timeout:.0f} s and was stopped\n{_tail(output)}")
-    except BaseException:  # Ctrl-C: let bsrun tear down before the caller sees it
-        _stop(proc)
-        raise
-    if proc.returncode != 0:
-        return RunResult(mode, error=f"exited with code {proc.returncode}\n{_tail(output)}")
+    if code != 0:
+        return RunResult(mode, error=f"exited with code {code}\n{_tail(output)}")
     try:
         info = json.loads(out.read_text())
         times = [float(t) for t in info["step_times"]]
@@ -155,11 +129,8 @@ def run_once(cmd: list[str], mode: str, cwd: Path, out: Path, timeout: float) ->
 
 def _launched_as(cwd: Path) -> str | None:
     """'scheduled', 'fallback' or 'off', from the summary bsrun leaves in its folder."""
-    try:
-        ranks = json.loads((cwd / ".bsrun" / "last-run.json").read_text())["ranks"]
-        return "/".join(sorted({r.get("mode", "unknown") for r in ranks}))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    run = read_last_run(cwd)
+    return "/".join(rank_modes(run)) if run else None
 
 
 def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
@@ -256,27 +227,25 @@ def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, ar
                          f"choose from {', '.join(known)}")
 
 
-def profile_command(folder: Path, model: str, mode: str, bandwidth: str | None, steps: int, warmup: int,
-                    batch: int | None, out: Path, record_steps: int | None = None, nproc: int = 2,
-                    arch: str = "allreduce", servers: int = 1) -> list[str]:
+def profile_args(folder: Path, model: str, mode: str, bandwidth: str | None, steps: int, warmup: int,
+                 batch: int | None, out: Path, record_steps: int | None = None, nproc: int = 2,
+                 arch: str = "allreduce", servers: int = 1) -> list[str]:
     """`bsrun profile` of one bench run: the same launch, recorded into `folder`."""
-    launch = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out, arch, servers)
     profile = ["profile", "-o", str(folder), "--warmup", str(warmup)]
     if record_steps:
         profile += ["--steps", str(record_steps)]
-    return launch[:3] + profile + launch[3:]  # `python -m bsrun` profile ...
+    return profile + launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out, arch, servers)
 
 
 def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
                     arch: str, servers: int) -> Path:
     """`bsrun:tac` orders by a profile of the same job on the same network: made first."""
     folder = cwd / f"profile-{model}-{bandwidth or 'loopback'}"
-    cmd = profile_command(folder, model, "bsrun", bandwidth, 100, 2, batch, cwd / "profile-run.json",
-                          record_steps=4, nproc=nproc, arch=arch, servers=servers)
-    proc = subprocess.run(cmd, cwd=cwd, env=_child_env(), stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=run_timeout_s(6, 2))
-    if proc.returncode != 0:
-        raise BsrunError(f"the profile for bsrun:tac failed:\n{_tail(proc.stdout + proc.stderr)}")
+    args = profile_args(folder, model, "bsrun", bandwidth, 100, 2, batch, cwd / "profile-run.json",
+                        record_steps=4, nproc=nproc, arch=arch, servers=servers)
+    code, output = child.run(args, run_timeout_s(6, 2), STOP_GRACE_S, cwd=cwd)
+    if code != 0:
+        raise BsrunError(f"the profile for bsrun:tac failed:\n{_tail(output)}")
     return folder
 
 
@@ -309,10 +278,10 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                 for rep in range(repeat):
                     for mode in modes:
                         out = cwd / f"{model}-{label}-{mode}-{rep}.json"
-                        cmd = launch_command(model, mode, nproc, bandwidth, steps, warmup, batch, out,
-                                             arch, servers, profile)
+                        args = launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out,
+                                           arch, servers, profile)
                         with console.status(f"{model} {label} {mode} ({rep + 1}/{repeat})"):
-                            run = run_once(cmd, mode, cwd, out, timeout)
+                            run = run_once(args, mode, cwd, out, timeout)
                         runs.append(run)
                         _report_run(console, model, label, rep, repeat, run)
                 group = summarise(model, bandwidth, nproc, steps, runs, modes)

@@ -16,6 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import bsrun
 from bsrun.config import (ACTIVE_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV, PS_SERVERS_ENV,
@@ -27,6 +28,12 @@ from bsrun.launch.workers import WorkerSpec
 PACKAGE_ROOT = Path(bsrun.__file__).resolve().parent.parent
 FOREIGN_LAUNCHERS = ("torchrun", "horovodrun", "mpirun", "mpiexec")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def python_path(first: Path, env: Mapping[str, str]) -> str:
+    """`first`, then the PYTHONPATH of `env`: bsrun's folder is found first, the user's still are."""
+    user_path = env.get("PYTHONPATH")
+    return os.pathsep.join([str(first)] + ([user_path] if user_path else []))
 
 
 def is_python(executable: str) -> bool:
@@ -104,14 +111,9 @@ class LaunchPlan:
         """Emulated hosts: one per worker, then one per server."""
         return self.nproc + self.servers
 
-    def _python_path(self, first: Path) -> str:
-        """`first`, then the user's PYTHONPATH."""
-        user_path = self.base_env.get("PYTHONPATH")
-        return os.pathsep.join([str(first)] + ([user_path] if user_path else []))
-
     def injection_env(self) -> dict[str, str]:
         """The environment that switches bsrun on in every Python process below."""
-        env = dict(self.base_env, PYTHONPATH=self._python_path(SITE_DIR))
+        env = dict(self.base_env, PYTHONPATH=python_path(SITE_DIR, self.base_env))
         env[ACTIVE_ENV] = "1"
         env[PACKAGE_ROOT_ENV] = str(PACKAGE_ROOT)
         if self.report_dir is not None:
@@ -143,7 +145,7 @@ class LaunchPlan:
         for s in range(self.servers):
             rank = self.nproc + s
             env = dict(self.base_env, **self.ps_env(net), **{PS_RANK_ENV: str(rank)},
-                       PYTHONPATH=self._python_path(PACKAGE_ROOT))
+                       PYTHONPATH=python_path(PACKAGE_ROOT, self.base_env))
             env.setdefault("OMP_NUM_THREADS", "1")
             argv = [sys.executable, "-m", "bsrun.sched.ps_server"]
             if net is not None:

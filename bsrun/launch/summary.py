@@ -1,6 +1,7 @@
-"""The run summary: what each rank reported at exit, merged by the launcher.
+"""The run summary: what each rank reported at exit, merged by the launcher, and read back.
 
 Kept as `.bsrun/last-run.json` and `.bsrun/runs/<time>.json`; one line on the terminal.
+A program that ran bsrun as a child (bench, tune) reads what its launch did from it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ def save_summary(summary: dict) -> Path:
     return path
 
 
+def read_last_run(folder: Path = Path("."), since: float | None = None) -> dict | None:
+    """The summary the last launch in `folder` left; None if there is none, it is
+    unreadable, or it was written before `since` (a time.time(): by an older launch)."""
+    path = Path(folder) / LAST_RUN
+    try:
+        if since is not None and path.stat().st_mtime < since:
+            return None
+        run = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) and isinstance(run.get("ranks"), list) else None
+
+
+def rank_modes(run: dict) -> list[str]:
+    """How the ranks ran: scheduled, fallback, off (unknown: a rank that wrote no report)."""
+    return sorted({r.get("mode", "unknown") for r in run["ranks"]})
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000:
@@ -63,7 +82,7 @@ def _human_bytes(n: float) -> str:
 
 def one_line(summary: dict) -> str:
     ranks = summary["ranks"]
-    modes = sorted({r.get("mode", "unknown") for r in ranks})
+    modes = rank_modes(summary)
     head = f"bsrun: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {summary['duration_s']:.1f} s, mode {'/'.join(modes) or 'unknown'}"
     reported = [r for r in ranks if "steps" in r and r.get("mode") != "off"]
     if reported:

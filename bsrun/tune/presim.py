@@ -1,7 +1,7 @@
 """--presim: one profile of the job, and its what-if replay proposes the search's first points.
 
-The profile is `bsrun profile` of the same launch (as a trial is started, so it ends with
-the tuner), with the config the job would run with. The what-if model (bsrun/profile/
+The profile is `bsrun profile` of the same launch, started as a trial is (bsrun.child, so
+it ends with the tuner), with the config the job would run with. The what-if model (bsrun/profile/
 whatif.py) then predicts the step time of every point of the space's grid, and the
 fastest predicted ones (other than the defaults, which are measured first anyway; one per
 partition size, so they are not near-duplicates) take the place of the Latin hypercube
@@ -11,8 +11,7 @@ point is still measured by a real trial, and the Gaussian process learns from th
 
 from __future__ import annotations
 
-import subprocess
-
+from bsrun import child
 from bsrun.config import resolve
 from bsrun.tune.space import Space
 from bsrun.tune.trial import TrialSetup
@@ -30,15 +29,16 @@ def propose(setup: TrialSetup, space: Space, count: int) -> dict:
     """A journal record: the proposed configs with their predictions, or why there are none."""
     folder = setup.log_dir / "presim-profile"
     setup.log_dir.mkdir(parents=True, exist_ok=True)
-    argv = setup.child_argv(["profile", "-o", str(folder), "--warmup", str(setup.warmup),
-                             "--steps", str(PROFILE_STEPS)])
+    args = setup.job_args(["profile", "-o", str(folder), "--warmup", str(setup.warmup),
+                           "--steps", str(PROFILE_STEPS)])
     log = setup.log_dir / "presim-profile.log"
     record = {"type": "presim", "profile": str(folder), "log": str(log), "configs": [], "predicted_s": []}
     with open(log, "w") as out:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=setup.timeout_s)
-    if proc.returncode != 0:
-        return {**record, "reason": f"the profile exited with code {proc.returncode} (see {log})"}
+        code = child.run(args, setup.timeout_s, setup.stop_grace_s, log=out).code
+    if code is None:
+        return {**record, "reason": f"the profile did not finish within {setup.timeout_s:g} s and was stopped"}
+    if code != 0:
+        return {**record, "reason": f"the profile exited with code {code} (see {log})"}
     from bsrun.profile import trace, whatif
 
     try:

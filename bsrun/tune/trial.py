@@ -1,8 +1,8 @@
 """One tuning trial: one real launch of the user's job with a candidate config.
 
 The trial is bsrun's own command line, `bsrun run [the user's launch flags] --partition
-P --credit C COMMAND...`, started as a child process (through bsrun.tune.child, so it
-ends with the tuner) with BSRUN_TRIAL_* in its environment: inside the workers
+P --credit C COMMAND...`, started as a child process (bsrun.child, so it ends with the
+tuner) with BSRUN_TRIAL_* in its environment: inside the workers
 bsrun/inject/trial.py times K warm-up + S steps and ends the job at the same step on
 every rank. So a trial runs exactly what a user runs, on the same emulated network,
 and costs seconds. Its output goes to a log file per trial, next to the journal.
@@ -15,18 +15,15 @@ comes back with status "failed" or "timeout" and one sentence of reason.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bsrun import child
 from bsrun.config import TRIAL_ID_ENV, TRIAL_OUT_ENV, TRIAL_STEPS_ENV, TRIAL_WARMUP_ENV
-from bsrun.launch.summary import LAST_RUN
+from bsrun.launch.summary import read_last_run
 
 TEARDOWN_S = 30.0  # after its workers' grace: time bsrun may take to remove its network
 _ERROR_LINE = re.compile(r"^(\[\d+\] )?(\[rank\d+\]: )?(\w+(Error|Exception|Interrupt)|bsrun: error)\b.*")
@@ -45,14 +42,19 @@ class TrialSetup:
     grace_s: float  # the launch's --grace: how long stopping its workers may take
     log_dir: Path
 
-    def argv(self, config: dict[str, str]) -> list[str]:
+    def trial_args(self, config: dict[str, str]) -> list[str]:
+        """A trial's bsrun arguments: `run [launch flags] --KNOB VALUE... COMMAND`."""
         knobs = [a for name, value in config.items() for a in (f"--{name}", value)]
-        return self.child_argv(["run"], knobs)
+        return self.job_args(["run"], knobs)
 
-    def child_argv(self, subcommand: list[str], knobs: list[str] = ()) -> list[str]:
-        """`bsrun SUBCOMMAND [launch flags] [knobs] COMMAND`, as a child that ends with the tuner."""
-        return [sys.executable, "-m", "bsrun.tune.child", str(os.getpid()), *subcommand,
-                *self.bsrun_args, *knobs, *self.command]
+    def job_args(self, subcommand: list[str], knobs: list[str] = ()) -> list[str]:
+        """`SUBCOMMAND [launch flags] [knobs] COMMAND`: bsrun's arguments for this job."""
+        return [*subcommand, *self.bsrun_args, *knobs, *self.command]
+
+    @property
+    def stop_grace_s(self) -> float:
+        """How long stopping a launch may take: its workers' grace, then its network's teardown."""
+        return self.grace_s + TEARDOWN_S
 
 
 @dataclass
@@ -76,17 +78,6 @@ class Outcome:
         return rec
 
 
-def _stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM, as Ctrl-C would: bsrun stops its workers and its network; SIGKILL if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace + TEARDOWN_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _why_failed(log_text: str) -> str:
     """The launcher's one line about the failure, with the failed worker's exception."""
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
@@ -104,14 +95,9 @@ def _why_failed(log_text: str) -> str:
 
 def _steps_reached(since: float) -> tuple[int | None, str | None]:
     """Rank 0's step count and mode from the run summary this trial's launch wrote."""
-    try:
-        if LAST_RUN.stat().st_mtime < since:
-            return None, None
-        ranks = json.loads(LAST_RUN.read_text())["ranks"]
-        r0 = min(ranks, key=lambda r: r["rank"])
-        return r0.get("steps"), r0.get("mode")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, None
+    run = read_last_run(since=since)
+    r0 = min(run["ranks"], key=lambda r: r["rank"], default={}) if run else {}
+    return r0.get("steps"), r0.get("mode")
 
 
 def run_trial(setup: TrialSetup, number: int, config: dict[str, str]) -> Outcome:
@@ -122,30 +108,19 @@ def run_trial(setup: TrialSetup, number: int, config: dict[str, str]) -> Outcome
     setup.log_dir.mkdir(parents=True, exist_ok=True)
     log_path, out = setup.log_dir / f"trial-{number}.log", setup.log_dir / f"trial-{number}.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env.pop("BSRUN_ACTIVE", None)  # the trial's launcher sets it for its own workers
-    env.update({TRIAL_OUT_ENV: str(out.resolve()), TRIAL_WARMUP_ENV: str(setup.warmup),
-                TRIAL_STEPS_ENV: str(setup.steps), TRIAL_ID_ENV: str(number)})
+    trial_env = {TRIAL_OUT_ENV: str(out.resolve()), TRIAL_WARMUP_ENV: str(setup.warmup),
+                 TRIAL_STEPS_ENV: str(setup.steps), TRIAL_ID_ENV: str(number)}
     started = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(setup.argv(config), env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(setup.timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            _stop(proc, setup.grace_s)
-            timed_out = True
-        except BaseException:
-            _stop(proc, setup.grace_s)
-            raise
+        code = child.run(setup.trial_args(config), setup.timeout_s, setup.stop_grace_s, extra_env=trial_env,
+                         log=log).code
     outcome = Outcome("failed", duration_s=time.time() - started, log=str(log_path))
     text = log_path.read_text(errors="replace")
-    if timed_out:
+    if code is None:
         outcome.status = "timeout"
         outcome.reason = f"did not finish within {setup.timeout_s:g} s (hung?) and was stopped"
-    elif proc.returncode != 0:
-        outcome.reason = f"exited with code {proc.returncode}: {_why_failed(text)}"
+    elif code != 0:
+        outcome.reason = f"exited with code {code}: {_why_failed(text)}"
     elif not out.exists():
         steps, mode = _steps_reached(started)
         needed = setup.warmup + setup.steps
