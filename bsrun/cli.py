@@ -263,6 +263,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
     .bsrun/tuned.json, and later runs of the same job (command, -np, network) use it.
     """
     from bsrun.console import new_console
+    from bsrun.signals import Stopped
     from bsrun.tune import tuner
     from bsrun.tune.journal import TUNE_DIR
     from bsrun.tune.space import parse_space
@@ -284,7 +285,7 @@ def tune_run(ctx, command, trials, recheck, steps, warmup, space, fresh, grid, t
             result = tuner.grid(job, search_space, fresh, console)
         else:
             result = tuner.tune(job, search_space, trials, recheck, fresh, seed, console, use_presim=presim)
-    except tuner.Stopped as e:
+    except Stopped as e:
         click.echo(f"bsrun: tuning stopped by {signal.Signals(e.signum).name}; the journal "
                    f"{TUNE_DIR / signature}.jsonl keeps every finished trial: run the same command to resume",
                    err=True)

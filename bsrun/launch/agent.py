@@ -18,6 +18,7 @@ from bsrun.launch.horovod import horovod_installed, rendezvous_for
 from bsrun.launch.plan import LaunchPlan
 from bsrun.launch.watchdog import Watchdog
 from bsrun.launch.workers import GroupResult, WorkerGroup
+from bsrun.signals import Stopped, StopSignals
 
 
 def new_report_dir() -> Path:
@@ -47,37 +48,13 @@ def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict, watc
     return None
 
 
-class Interrupted(Exception):
-    """SIGINT/SIGTERM before the workers started: unwinds through every cleanup."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-class _StopSignals:
-    """While a launch runs, SIGINT/SIGTERM stop the workers (or the set-up) cleanly."""
-
-    def __init__(self):
-        self.group: WorkerGroup | None = None
-
-    def _handle(self, signum, _frame):
-        if self.group is None:
-            raise Interrupted(signum)
-        self.group.request_stop(signum)
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 def launch(plan: LaunchPlan) -> int:
-    """Run the plan to the end and return bsrun's exit code."""
+    """Run the plan to the end and return bsrun's exit code.
+
+    SIGINT/SIGTERM unwind the set-up (Stopped) until the workers start; then they go to
+    the workers, which are stopped and reported."""
     try:
-        with _StopSignals() as stop:
+        with StopSignals() as stop:
             if plan.network is None:
                 return _launch_on(plan, None, stop)
             from bsrun.launch.netem import EmulatedNetwork
@@ -89,7 +66,7 @@ def launch(plan: LaunchPlan) -> int:
                     say(f"emulated network: {plan.hosts} hosts, set {spec.rate_bps / 1e9:.3g} Gbit/s, "
                         f"measured {achieved / 1e9:.3g} Gbit/s")
                 return _launch_on(plan, net, stop)
-    except Interrupted as e:
+    except Stopped as e:
         say(f"stopped by {signal.Signals(e.signum).name} before the workers started")
         return 128 + e.signum
 
@@ -101,13 +78,13 @@ def _horovod_rendezvous(plan: LaunchPlan, net):
     return rendezvous_for(plan.nproc, net)
 
 
-def _launch_on(plan: LaunchPlan, net, stop: _StopSignals) -> int:
+def _launch_on(plan: LaunchPlan, net, stop: StopSignals) -> int:
     plan.report_dir = new_report_dir()
     with _horovod_rendezvous(plan, net) as horovod:
         group = WorkerGroup(plan.worker_specs(net, horovod), grace=plan.grace)
         watchdog = Watchdog(plan.report_dir, plan.config.timeout)
         started = time.time()
-        stop.group = group
+        stop.forward_to = group.request_stop
         group.start()
         result = group.wait(watchdog)
     ended = time.time()

@@ -10,17 +10,18 @@ SIGKILL) resumes when the same command runs again, and a journal that is complet
 commits again. `grid` measures every point of a log-spaced grid over the same space
 with the same trials, for judging the tuner (BENCHMARKS.md); it commits nothing.
 
-This process never imports torch: the workers it measures get every core.
+Ctrl-C or SIGTERM unwinds through the running trial, which stops its launch, as
+bsrun.signals.Stopped; the journal holds every finished trial. This process never
+imports torch: the workers it measures get every core.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import statistics
 from dataclasses import dataclass
 
 from bsrun.errors import BsrunError
+from bsrun.signals import StopSignals
 from bsrun.tune import presim, search
 from bsrun.tune.commit import commit
 from bsrun.tune.journal import Journal, journal_path, read_records, TUNE_DIR
@@ -42,27 +43,6 @@ class Job:
     def header(self, space: Space) -> dict:
         return {"signature": self.signature, "command": self.command, "world_size": self.world_size,
                 "hosts": self.hosts, "space": space.describe(), "launch_flags": self.setup.bsrun_args}
-
-
-class Stopped(Exception):
-    """Ctrl-C or SIGTERM while tuning; the journal holds every finished trial."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stop_on_signals():
-    """SIGINT/SIGTERM unwind through the running trial (which stops its launch) as Stopped."""
-    def handle(signum, _frame):
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _run(journal: Journal, job: Job, progress: Progress, kind: str, config: dict, **extra) -> dict:
@@ -110,7 +90,7 @@ def tune(job: Job, space: Space, trials: int, recheck: int, fresh: bool, seed: i
     journal = _open(job, space, fresh, console)
     proposed = _proposals(journal, job, space, search.INITIAL_POINTS - 1, console) if use_presim else []
     planned = max(0, trials - len(journal.trials("search"))) + recheck
-    with _stop_on_signals(), Progress(console, journal, planned) as progress:
+    with StopSignals(), Progress(console, journal, planned) as progress:
         while len(journal.trials("search")) < trials:
             config = search.next_config(space, journal.trials("search"), trials, seed, proposed)
             _run(journal, job, progress, "search", config)
@@ -149,7 +129,7 @@ def grid(job: Job, space: Space, fresh: bool, console) -> dict:
     """Measure every grid point not yet in the journal; report the fastest. Commits nothing."""
     journal = _open(job, space, fresh, console)
     points = [c for c in space.grid() if not any(r["config"] == c for r in journal.trials("grid"))]
-    with _stop_on_signals(), Progress(console, journal, len(points)) as progress:
+    with StopSignals(), Progress(console, journal, len(points)) as progress:
         for config in points:
             _run(journal, job, progress, "grid", config)
     measured = [r for r in journal.trials("grid") if r["status"] == "ok"]
