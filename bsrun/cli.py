@@ -54,17 +54,11 @@ def cli():
 
 
 def launch_options(f):
-    """The options every launching command shares (run, profile, tune)."""
-    knob_help = {k.name: k.help for k in KNOBS}
+    """The options every launching command shares (run, profile, tune): one per knob
+    (config.KNOBS; its value, unparsed, under the knob's name), then the launch's own."""
     options = [
         click.option("-np", "--nproc", type=int, default=None, help="number of local workers (bsrun starts them)"),
-        click.option("--partition", default=None, help=knob_help["partition"]),
-        click.option("--credit", default=None, help=knob_help["credit"]),
-        click.option("--schedule/--no-schedule", "schedule", default=None, help=knob_help["enabled"]),
-        click.option("--timeout", default=None, help=knob_help["timeout"]),
-        click.option("--order", default=None, help=knob_help["order"]),
-        click.option("--arch", default=None, help=knob_help["arch"]),
-        click.option("--servers", default=None, help=knob_help["servers"]),
+        *(click.option(knob.flag, knob.name, default=None, help=knob.help) for knob in KNOBS),
         click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
                      default=None, help="TOML file of knobs (partition = \"4MB\", ...)"),
         click.option("--grace", type=float, default=10.0, show_default=True,
@@ -102,10 +96,11 @@ def tac_profile(order: str) -> Path:
     return folder.resolve()
 
 
-def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_file, grace,
-                   emulate_bandwidth=None, emulate_latency=None, use_tuned=True, order=None, arch=None,
-                   servers=None):
-    """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line."""
+def resolve_launch(command, nproc, config_file, grace, emulate_bandwidth=None, emulate_latency=None,
+                   use_tuned=True, **knobs):
+    """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line.
+
+    `knobs`: launch_options' value of each knob, by name (None: not given)."""
     from bsrun.launch.plan import NetworkSpec, make_plan
 
     network = None
@@ -116,8 +111,7 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
             netem.parse_rate(emulate_bandwidth) if emulate_bandwidth is not None else None,
             netem.parse_latency(emulate_latency) if emulate_latency is not None else None)
 
-    flags = {"partition": partition, "credit": credit, "timeout": timeout, "order": order, "arch": arch,
-             "servers": servers, "enabled": None if schedule is None else str(schedule)}
+    flags = {name: None if value is None else str(value) for name, value in knobs.items()}
     config = resolve(flags, config_file)
     tuned = {}
     if use_tuned:  # --arch and --servers are part of the job, so they are resolved first
@@ -133,6 +127,11 @@ def resolve_launch(command, nproc, partition, credit, schedule, timeout, config_
     return plan
 
 
+@cli.command("run", context_settings=LAUNCH_CONTEXT)
+@launch_options
+@click.option("--dry-run", is_flag=True, help="print the resolved config and the commands, start nothing")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (dry run and summary)")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def print_dry_run(plan, as_json: bool) -> None:
     specs = plan.worker_specs()
     shown = [("BSRUN_", True), ("PYTHONPATH", False), ("OMP_NUM_THREADS", False), ("RANK", False),

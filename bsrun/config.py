@@ -1,7 +1,9 @@
 """SchedConfig: the one place scheduling knobs are defined, parsed and resolved.
 
-Every knob has one row in KNOBS: its command-line flag, its BSRUN_* variable and its
-default. Resolution order is flag > --config file > BSRUN_* environment > committed
+Every knob has one row in KNOBS: its command-line flag, its BSRUN_* variable, its
+default and its help. That row alone makes the launch commands' option (cli.py), the
+variable a worker reads (`to_env`/`from_env`), the key of `as_dict` (dry run, run
+summary) and its place in resolution; a new knob is that row and its SchedConfig field. Resolution order is flag > --config file > BSRUN_* environment > committed
 tuned config (.bsrun/tuned.json) > default, and the source of each value is kept so that
 `--dry-run` can say where a value came from. A knob the user fixed (flag, file or env) is
 left out of tuning. Workers rebuild the config from the BSRUN_* variables the launcher
@@ -138,26 +140,40 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def _bool_text(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def _seconds_text(value: float) -> str:
+    return f"{value:g}"
+
+
 @dataclass(frozen=True)
 class Knob:
-    name: str
-    flag: str
+    name: str    # the SchedConfig field, the as_dict key and the CLI option's parameter
+    flag: str    # the option; "--on/--off" for a switch
     env: str
     parse: Callable[[str], Any]
     default: str
     help: str
+    text: Callable[[Any], str] = str  # a parsed value as `parse` reads it back (to_env)
+
+    @property
+    def flag_name(self) -> str:
+        """The flag an error message names (for a switch, the one that can be given a value)."""
+        return self.flag.split("/")[-1]
 
 
 KNOBS: tuple[Knob, ...] = (
     Knob("enabled", "--schedule/--no-schedule", "BSRUN_ENABLE", parse_bool, "1",
-         "schedule gradient communication; --no-schedule runs the same launch as the baseline"),
+         "schedule gradient communication; --no-schedule runs the same launch as the baseline", _bool_text),
     Knob("partition", "--partition", "BSRUN_PARTITION", parse_partition, "4MiB",
          "largest piece of gradient sent in one collective (4MB, 512KiB, bytes; "
          "tensor: each tensor whole, and a credit given as a multiple is then unlimited)"),
     Knob("credit", "--credit", "BSRUN_CREDIT", parse_credit, "2x",
          "most bytes in flight at once (16MB) or a multiple of the partition (4x)"),
     Knob("timeout", "--timeout", "BSRUN_TIMEOUT", parse_seconds, "300",
-         "seconds a collective may take before the job is ended as hung"),
+         "seconds a collective may take before the job is ended as hung", _seconds_text),
     Knob("order", "--order", "BSRUN_ORDER", parse_order, "forward",
          "transfer priority: forward (first use in the next forward pass), tic (TicTac, from "
          "the dependency graph), tac[:PROFILE_DIR] (TicTac, from a profile's times; default "
@@ -195,17 +211,19 @@ class SchedConfig:
 
     def to_env(self) -> dict[str, str]:
         """The BSRUN_* variables that make a worker see exactly this config."""
-        values = {"enabled": "1" if self.enabled else "0", "partition": str(self.partition),
-                  "credit": str(self.credit), "timeout": f"{self.timeout:g}", "order": self.order,
-                  "arch": self.arch, "servers": str(self.servers)}
-        env = {KNOB_BY_NAME[n].env: v for n, v in values.items()}
+        env = {k.env: k.text(getattr(self, k.name)) for k in KNOBS}
         env["BSRUN_CONFIG_SOURCES"] = json.dumps(self.sources, sort_keys=True)
         return env
 
     def as_dict(self) -> dict[str, Any]:
-        return {"enabled": self.enabled, "partition": self.partition, "credit": str(self.credit),
-                "credit_bytes": self.credit_bytes, "timeout": self.timeout, "order": self.order,
-                "arch": self.arch, "servers": self.servers, "sources": dict(self.sources)}
+        """Every knob JSON-ready (the credit also in bytes) and where each value came from."""
+        shown: dict[str, Any] = {}
+        for knob in KNOBS:
+            value = getattr(self, knob.name)
+            shown[knob.name] = value if isinstance(value, (bool, int, float, str)) else knob.text(value)
+            if knob.name == "credit":
+                shown["credit_bytes"] = self.credit_bytes
+        return {**shown, "sources": dict(self.sources)}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "SchedConfig":
@@ -253,9 +271,8 @@ def resolve(flags: Mapping[str, str | None] | None = None,
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for knob in KNOBS:
-        flag_name = knob.flag.split("/")[-1] if knob.name == "enabled" else knob.flag
         if flags.get(knob.name) is not None:
-            raw, source, where = flags[knob.name], "flag", flag_name
+            raw, source, where = flags[knob.name], "flag", knob.flag_name
         elif knob.name in from_file:
             raw, source, where = from_file[knob.name], f"config {config_file}", f"{knob.name} in {config_file}"
         elif env.get(knob.env, "") != "":

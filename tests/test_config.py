@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bsrun.config import (Credit, SchedConfig, job_signature, load_tuned, parse_credit, parse_size,
+from bsrun.config import (KNOBS, Credit, SchedConfig, job_signature, load_tuned, parse_credit, parse_size,
                           resolve)
 from bsrun.errors import BsrunError
 
@@ -48,6 +48,28 @@ def test_workers_see_exactly_the_launcher_config():
     config = resolve({"partition": "1MB", "enabled": "False"}, None, env={})
     again = SchedConfig.from_env(config.to_env())
     assert again.as_dict() == config.as_dict()
+
+
+# A value other than the default for every knob: a new knob needs one here too.
+NOT_DEFAULT = {"enabled": "0", "partition": "1MB", "credit": "3x", "timeout": "1.5m", "order": "tic",
+               "arch": "ps", "servers": "3"}
+
+
+def test_every_knob_is_one_row_the_cli_env_and_summary_all_follow():
+    from bsrun.cli import cli
+
+    assert set(NOT_DEFAULT) == {k.name for k in KNOBS}
+    config = resolve(NOT_DEFAULT, None, env={})
+    env, shown = config.to_env(), config.as_dict()
+    options = {p.name: p for p in cli.commands["run"].params}
+    for knob in KNOBS:
+        assert getattr(config, knob.name) != getattr(resolve({}, None, env={}), knob.name), knob.name
+        option = options[knob.name]  # the launch commands' option, under the knob's name
+        assert option.opts + option.secondary_opts == knob.flag.split("/") and option.help == knob.help
+        assert env[knob.env] == knob.text(getattr(config, knob.name)) and knob.name in shown
+    again = SchedConfig.from_env(env)
+    assert again == config and again.as_dict() == shown
+    assert shown["credit_bytes"] == 3_000_000 and shown["sources"]["partition"] == "flag"
 
 
 def test_bad_values_name_their_source(tmp_path):
