@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -132,51 +131,12 @@ def resolve_launch(command, nproc, config_file, grace, emulate_bandwidth=None, e
 @click.option("--dry-run", is_flag=True, help="print the resolved config and the commands, start nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output (dry run and summary)")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def print_dry_run(plan, as_json: bool) -> None:
-    specs = plan.worker_specs()
-    shown = [("BSRUN_", True), ("PYTHONPATH", False), ("OMP_NUM_THREADS", False), ("RANK", False),
-             ("LOCAL_RANK", False), ("WORLD_SIZE", False), ("LOCAL_WORLD_SIZE", False),
-             ("MASTER_ADDR", False), ("MASTER_PORT", False), ("GLOO_SOCKET_IFNAME", False)]
-
-    def visible(env):
-        return {k: v for k, v in sorted(env.items())
-                if any(k.startswith(p) if pre else k == p for p, pre in shown)
-                and plan.base_env.get(k) != v}
-
-    if as_json:
-        click.echo(json.dumps({"config": plan.config.as_dict(), "kind": plan.kind,
-                               "workers": [{"rank": s.rank, "argv": s.argv, "env": visible(s.env)}
-                                           for s in specs]}, indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title="resolved config")
-    for col in ("knob", "value", "source"):
-        table.add_column(col)
-    for name, source in plan.config.sources.items():
-        value = plan.config.as_dict()[name]
-        if name == "credit":
-            value = f"{value} ({plan.config.credit_bytes} bytes)"
-        table.add_row(name, str(value), source)
-    console.print(table)
-    for spec in specs:
-        who = spec.name if plan.kind == "local" else "launcher"
-        console.print(f"[bold]{who}[/bold]: {shlex.join(spec.argv)}", highlight=False)
-        for k, v in visible(spec.env).items():
-            console.print(f"    {k}={v}", highlight=False, markup=False, soft_wrap=True)
-
-
-@cli.command("run", context_settings=LAUNCH_CONTEXT)
-@launch_options
-@click.option("--dry-run", is_flag=True, help="print the resolved config and the commands, start nothing")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output (dry run and summary)")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run_command(command, dry_run, as_json, **launch):
     """Launch COMMAND with scheduling (the default command: `bsrun run` = `bsrun`)."""
     plan = resolve_launch(command, **launch)
     if dry_run:
+        from bsrun.dry_run import print_dry_run
+
         print_dry_run(plan, as_json)
         return 0
     from bsrun.launch.agent import launch as run_plan
