@@ -9,8 +9,8 @@ Started by `bsrun -np N` (which sets the torchrun variables). Modes:
 - horovod, bsrun-horovod: the same loop with `hvd.DistributedOptimizer` (Horovod's
   defaults) instead of DDP; again only the launcher differs;
 - compute: the same model and loop without DDP and without any communication;
-- comm: only communication: the gradients' sizes, bucketed as DDP buckets them,
-  all-reduced every step;
+- comm: only communication: the gradients' sizes, bucketed as DDP buckets them
+  (bsrun.sched.partition.ddp_buckets), all-reduced every step;
 - bound: compute and comm at once in two threads with no dependency between them, each
   step ending when both are done: the best any overlap can do on this machine, including
   the CPU that communication takes from computation.
@@ -34,32 +34,24 @@ import torch.distributed as dist
 from bsrun.bench import models
 from bsrun.bench.runner import MODES
 from bsrun.fsutil import atomic_write_json
+from bsrun.sched.partition import ddp_buckets
 
-# DDP's defaults (torch 2.13): the first bucket holds 1 MiB so communication starts
-# early, the others 25 MiB; buckets are filled in reverse parameter order.
-FIRST_BUCKET_BYTES = 1024 * 1024
-BUCKET_BYTES = 25 * 1024 * 1024
 LR = 1e-3
 
 
-def ddp_buckets(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One flat gradient-sized buffer per DDP bucket, in the order DDP sends them."""
-    sizes, current = [], 0
-    for p in reversed(params):
-        current += p.numel()
-        if current * p.element_size() >= (FIRST_BUCKET_BYTES if not sizes else BUCKET_BYTES):
-            sizes.append(current)
-            current = 0
-    if current:
-        sizes.append(current)
-    return [torch.zeros(n, dtype=params[0].dtype) for n in sizes]
+def bucket_buffers(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat gradient-sized buffer per DDP bucket, in the order DDP sends them (DDP
+    fills its buckets in reverse parameter order)."""
+    ready = list(reversed(params))
+    buckets = ddp_buckets([p.numel() * p.element_size() for p in ready])
+    return [torch.zeros(sum(ready[i].numel() for i in bucket), dtype=params[0].dtype) for bucket in buckets]
 
 
 class Comm:
     """All-reduce every bucket asynchronously, as DDP's reducer issues them, then wait."""
 
     def __init__(self, params: list[torch.Tensor]):
-        self.buckets = ddp_buckets(params)
+        self.buckets = bucket_buffers(params)
         self.world = dist.get_world_size()
 
     def step(self) -> None:
