@@ -5,12 +5,13 @@ calibration in bsrun/bench/calibrate.py): `argv` and `env` build the child, `run
 to its end or stops it, `stop` stops it as Ctrl-C would. What the child's launch did is
 then read from its run summary (bsrun.launch.summary.read_last_run).
 
-Child side: `python -m bsrun.child PARENT_PID ARGS...` is bsrun's command line with ARGS,
-ended with SIGTERM when its parent dies, even by SIGKILL. The child asks the kernel for
-that signal itself (PR_SET_PDEATHSIG on Linux), so the parent needs no `preexec_fn`
-(unsafe in a process with threads). SIGTERM makes bsrun stop its workers and remove its
-emulated network as on any stop, so a killed `bsrun tune` or `bsrun bench` leaves no
-launch running behind it.
+Child side: `python -m bsrun.child PARENT_PID ARGS...` asks the kernel for SIGTERM when
+its parent dies, even by SIGKILL (PR_SET_PDEATHSIG on Linux: so the parent needs no
+`preexec_fn`, unsafe in a process with threads), then becomes `python -m bsrun ARGS`
+(execv: the same process, and the request holds across it). It imports no command of
+bsrun itself, so the commands that start children are not its dependencies. SIGTERM makes
+bsrun stop its workers and remove its emulated network as on any stop, so a killed
+`bsrun tune` or `bsrun bench` leaves no launch running behind it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def run(args: Sequence[str], timeout_s: float, grace_s: float, cwd=None,
 
 
 def main() -> None:
-    """The child: die with the parent, then run bsrun's command line."""
+    """The child: die with the parent, then become bsrun's command line."""
     parent, args = int(sys.argv[1]), sys.argv[2:]
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -88,9 +89,7 @@ def main() -> None:
         pass  # not Linux: the parent still stops its child on SIGINT/SIGTERM
     if os.getppid() != parent:
         sys.exit(128 + signal.SIGTERM)  # the parent died before we could ask
-    from bsrun.cli import main as bsrun_main
-
-    bsrun_main(args)
+    os.execv(sys.executable, [sys.executable, "-m", "bsrun", *args])
 
 
 if __name__ == "__main__":
