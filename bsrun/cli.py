@@ -86,12 +86,18 @@ def job_of(command, nproc, network, servers: int = 0) -> tuple[str, list[str]]:
 
 
 def tac_profile(order: str) -> Path:
-    """The profile TAC orders by: the folder named in tac:DIR, else the newest one."""
+    """The profile TAC orders by (the folder named in tac:DIR, else the newest one), with
+    the order computed from it for the workers (its tac-order.json)."""
     from bsrun.profile.command import latest_folder
+    from bsrun.profile.tac import write_order
 
     folder = Path(order.partition(":")[2]) if ":" in order else latest_folder()
     if not (folder / "trace.json").is_file():
         raise BsrunError(f"--order tac needs a profile: no trace.json in {folder}; run `bsrun profile ...` first")
+    try:
+        write_order(folder)
+    except (OSError, ValueError) as e:
+        raise BsrunError(f"--order tac cannot use the profile in {folder}: {e}") from None
     return folder.resolve()
 
 
