@@ -20,7 +20,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
 from bsrun.inject import state
-from bsrun.inject.runtime import ModelRuntime
+from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.ps_backend import PSTransport
 from bsrun.sched.torch_backend import TorchTransport
 
@@ -41,14 +41,7 @@ def fallback_reason(module: torch.nn.Module, args: dict, config: SchedConfig) ->
         return f"the {dist.get_backend(group)} backend (bsrun schedules gloo process groups)"
     if config.arch == "ps" and dist.get_world_size(group) != dist.get_world_size():
         return "--arch ps with a process group of only some ranks (the servers serve the whole job)"
-    params = [p for p in module.parameters() if p.requires_grad]
-    if any(p.device.type != "cpu" for p in params):
-        return "parameters not on the CPU"
-    if any(getattr(m, "sparse", False) is True for m in module.modules()):
-        return "sparse gradients"
-    if not params:
-        return "no parameter requires a gradient"
-    return None
+    return why_not_schedulable([p for p in module.parameters() if p.requires_grad], module.modules())
 
 
 def broadcast_from_rank0(tensors, group) -> None:

@@ -21,7 +21,7 @@ import torch
 from horovod.torch import optimizer as hvd_optimizer
 
 from bsrun.inject import state
-from bsrun.inject.runtime import ModelRuntime
+from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.horovod_backend import HorovodTransport
 
 _GENUINE = hvd_optimizer.DistributedOptimizer
@@ -40,12 +40,9 @@ def fallback_reason(params: list[torch.Tensor], modules: list[torch.nn.Module], 
         return "a process set"
     if args["backward_passes_per_step"] < 1:
         return "backward_passes_per_step < 1"
-    if not params:
-        return "no parameter requires a gradient"
-    if any(p.device.type != "cpu" for p in params):
-        return "parameters not on the CPU"
-    if any(getattr(m, "sparse", False) is True for m in modules):
-        return "sparse gradients"
+    reason = why_not_schedulable(params, modules)
+    if reason is not None:
+        return reason
     named = args["named_parameters"]
     if named is not None:
         named = list(named)

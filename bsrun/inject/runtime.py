@@ -28,6 +28,18 @@ from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.task import Layout, forward_order
 
 
+def why_not_schedulable(params: list[torch.Tensor], modules) -> str | None:
+    """What ModelRuntime itself cannot schedule exactly, whoever built the model (DDP or
+    Horovod): the reason, or None. `params` require gradients; `modules` use them."""
+    if not params:
+        return "no parameter requires a gradient"
+    if any(p.device.type != "cpu" for p in params):
+        return "parameters not on the CPU"
+    if any(getattr(m, "sparse", False) is True for m in modules):
+        return "sparse gradients"
+    return None
+
+
 def _step_subset(optimizer, snapshot, items) -> None:
     """optim.step_subset, timed for the profile recorder when one records."""
     recorder = state.recorder
