@@ -130,6 +130,17 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_every(text: str) -> int:
+    """A number of steps, 0 for never."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ValueError("a whole number of steps such as 100 (0: never)") from None
+    if value < 0:
+        raise ValueError("0 or more")
+    return value
+
+
 def parse_seconds(text: str) -> float:
     m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min)?\s*$", str(text))
     if not m:
@@ -182,6 +193,9 @@ KNOBS: tuple[Knob, ...] = (
          "allreduce, or ps: workers push partitions to parameter servers and pull the sums"),
     Knob("servers", "--servers", "BSRUN_SERVERS", parse_count, "1",
          "parameter servers with --arch ps (each its own host on an emulated network)"),
+    Knob("check_every", "--check-every", "BSRUN_CHECK_EVERY", parse_every, "100",
+         "every N optimizer steps the ranks compare checksums of their parameters and a rank "
+         "that differs ends the job (0: never)"),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 TUNABLE = ("partition", "credit")
@@ -196,6 +210,7 @@ class SchedConfig:
     order: str = "forward"
     arch: str = "allreduce"
     servers: int = 1
+    check_every: int = 100
     sources: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
-from bsrun.inject import state
+from bsrun.inject import compiled, state
 from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.ps_backend import PSTransport
 from bsrun.sched.torch_backend import TorchTransport
@@ -106,14 +106,17 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         state.set_mode("scheduled")
 
     def forward(self, *inputs, **kwargs):
+        self._pre_forward()
+        return self.module(*inputs, **kwargs)
+
+    def _pre_forward(self) -> None:
+        """DDP's buffer broadcast and the sync decision of this forward (eager under compile)."""
         if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
             self.modules_buffers = list(self.module.buffers())
             broadcast_from_rank0(self.modules_buffers, self._bsrun_transport.control_group)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._bsrun.sync_backward = sync
-        output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
-        return output
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -131,3 +134,6 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
     def __getstate__(self):
         raise RuntimeError("a bsrun-scheduled DDP model cannot be pickled; save model.module "
                            "or its state_dict() instead")
+
+
+compiled.keep_eager(ScheduledDDP, "_pre_forward")

@@ -106,7 +106,23 @@ def DistributedOptimizer(*args, **kwargs):
     return optimizer
 
 
+def _flushing_shutdown(shutdown):
+    """Horovod's shutdown, after this rank's scheduled work is finished. `hvd.init()`
+    registers the shutdown with atexit after bsrun's own exit handler, so it would run
+    first and leave the last round's collectives without Horovod."""
+    def shutdown_after_flush(*args, **kwargs):
+        state.flush_all()
+        return shutdown(*args, **kwargs)
+    return shutdown_after_flush
+
+
 def install() -> None:
-    """Called by the bootstrap once horovod.torch is imported, only with scheduling on."""
+    """Called by the bootstrap once horovod.torch is imported (before the script's
+    hvd.init()), only with scheduling on."""
+    from horovod.common.basics import HorovodBasics
+    from horovod.torch import mpi_ops
+
     hvd.DistributedOptimizer = DistributedOptimizer
     hvd_optimizer.DistributedOptimizer = DistributedOptimizer
+    HorovodBasics.shutdown = _flushing_shutdown(HorovodBasics.shutdown)  # the method atexit will hold
+    hvd.shutdown = mpi_ops.shutdown = _flushing_shutdown(mpi_ops.shutdown)

@@ -39,6 +39,8 @@ def why_not_elementwise(optimizer, closure) -> str | None:
     """A reason this step needs every gradient at once, or None if per-parameter is exact."""
     if closure is not None:
         return "an optimizer closure"
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return "GradScaler's step of a fused optimizer"  # a subset stepped later would miss them
     if type(optimizer) not in ELEMENTWISE:
         return f"{type(optimizer).__name__} is not a known elementwise optimizer"
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:

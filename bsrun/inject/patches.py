@@ -13,12 +13,13 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from bsrun.inject import optim, state
+from bsrun.inject import compiled, optim, state
 
 
 def _flushing(fn, note=None):
@@ -35,9 +36,13 @@ def _flushing(fn, note=None):
 
 def _scheduled_step(optimizer, closure=None):
     """Instance-level step(): LR schedulers wrap it as they wrap any bound step."""
+    return _step(optimizer, closure)
+
+
+def _step(optimizer, closure):
     number = state.count_step()
     rt = state.model_of(p for g in optimizer.param_groups for p in g["params"])
-    result = optim.full_step(optimizer, closure) if rt is None else rt.optimizer_step(optimizer, closure)
+    result = optim.full_step(optimizer, closure) if rt is None else rt.optimizer_step(optimizer, closure, number)
     state.step_finished(number)
     return result
 
@@ -114,9 +119,16 @@ def _patch_default_timeout(seconds: float) -> None:
     dist.init_process_group = init_process_group
 
 
+def _communication_is_up() -> bool:
+    hvd = sys.modules.get("horovod.torch")
+    return dist.is_initialized() or (hvd is not None and hvd.is_initialized())
+
+
 def _at_exit() -> None:
+    """Whichever rank leaves first finishes its scheduled work first: its peers' comm
+    threads post the same rounds, so this needs no barrier (docs/ARCHITECTURE.md, "Exit")."""
     try:
-        if dist.is_initialized():
+        if _communication_is_up():
             state.flush_all()
     finally:
         state.close_all()
@@ -133,4 +145,8 @@ def install() -> None:
     _patch_module_zero_grad()
     _patch_flush_points()
     _patch_default_timeout(state.config().timeout)
+    compiled.install()
+    compiled.keep_eager(sys.modules[__name__], "_step")
+    compiled.keep_eager(torch.optim.Optimizer, "zero_grad")
+    compiled.keep_eager(torch.nn.Module, "zero_grad")
     atexit.register(_at_exit)

@@ -6,12 +6,13 @@ parameters are never touched concurrently, and the only shared state is the smal
 bookkeeping below, guarded by one condition variable.
 
 The life of a parameter in one round:
-  backward: its grad hook marks it ready -> its partitions go to the scheduler
+  backward: its grad hook marks it ready -> its partitions go to the scheduler, and the
+  parameter is trapped (bsrun/inject/trap.py): a read of it by the script settles it first
   comm thread: partitions all-reduced and averaged in place -> `done` counted
   step(): updated now if its communication is done, else left pending
   next forward: the pre-hook of each module that owns it waits for exactly its own
   parameters, applies their pending update (and a deferred zero_grad), then the
-  module runs. That is ByteScheduler's dependency proxy.
+  module runs. That is ByteScheduler's dependency proxy. A settled parameter is released.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import time
 
 import torch
 
-from bsrun.inject import optim, state
+from bsrun.inject import compiled, optim, state, trap
+from bsrun.inject.backward_end import BackwardEnd
 from bsrun.inject.order import DependencyCounter, transfer_order
+from bsrun.inject.replicas import ReplicaCheck
 from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.task import Layout, forward_order
@@ -80,6 +83,8 @@ class ModelRuntime:
         self.credit_bytes = config.credit_bytes    # first synchronising backward pass
         self.scheduler: Scheduler | None = None
         self._seen_this_backward: set[int] = set()
+        self._backward_end = BackwardEnd(self._end_of_backward)
+        self.replicas = ReplicaCheck(config.check_every, self.names, self.transport.agree)
         self._handles = []
         self.dependencies = DependencyCounter(self.index) if config.order == "tic" else None
         self._register_hooks(modules)
@@ -106,7 +111,10 @@ class ModelRuntime:
     def partitions(self):
         return self.layout.partitions if self.layout is not None else None
 
+    @trap.internal
     def before_forward(self, owned: list[int]) -> None:
+        if compiled.tracing():
+            return  # dynamo traces this forward: every compiled call starts settled instead
         if self.layout is None:
             for i in owned:
                 if i not in self._first_use_seen:
@@ -118,15 +126,20 @@ class ModelRuntime:
         if self.layout is None:  # until the order is fixed
             self.dependencies.module_output(owned, output)
 
+    @trap.internal
     def _on_grad(self, param) -> None:
         if not self.sync_backward:
             return  # inside no_sync(): gradients accumulate locally
         i = self.index[id(param)]
+        if i in self._seen_this_backward:
+            raise RuntimeError(state.failed(
+                f"Expected to mark a variable ready only once: the gradient of {self.names[i]} arrived "
+                f"twice in one backward pass (a parameter used both inside and outside a reentrant "
+                f"torch.utils.checkpoint segment?); plain DDP fails here too; use_reentrant=False avoids it"))
         self.accumulated[i] += 1
         if self.accumulated[i] < self.passes_per_sync:
             return  # backward_passes_per_step: accumulate locally this time
-        if not self._seen_this_backward:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._backward_end.arm()
         self._seen_this_backward.add(i)
         self._mark_ready(i)
 
@@ -140,11 +153,14 @@ class ModelRuntime:
         with self.cv:
             self.grads[i] = param.grad
             self.ready[i] += 1
+        trap.trap(param, self, i)
         for pid in self.layout.tensor_ready(i):
             self.scheduler.mark_ready(pid)
 
+    @trap.internal
     def _end_of_backward(self) -> None:
-        """Parameters the forward pass did not use still take part, with zero gradients."""
+        """Parameters the forward pass did not use still take part, with zero gradients.
+        Inside a compiled call, whatever follows the backward is compiled code: settle."""
         missing = [i for i in range(len(self.params)) if i not in self._seen_this_backward]
         self._seen_this_backward = set()
         if missing:
@@ -155,6 +171,8 @@ class ModelRuntime:
             if self.params[i].grad is None:
                 self.params[i].grad = torch.zeros_like(self.params[i])
             self._mark_ready(i)
+        if compiled.inside_compiled_call():
+            self.flush()
 
     def force_accumulated(self) -> None:
         """Horovod's step()/synchronize() before backward_passes_per_step passes: what has
@@ -231,9 +249,20 @@ class ModelRuntime:
         return (f"waiting for {self.names[i]} (partition {self.layout.partitions_of[i][0]}, "
                 f"round {self.ready[i]}) from another rank")
 
+    def owes_update(self, i: int) -> bool:
+        return i in self.pending or i in self.deferred_zero
+
+    def _release(self, indices) -> None:
+        """Parameters with nothing owed are plain again (see bsrun/inject/trap.py)."""
+        for i in indices:
+            if trap.is_trapped(self.params[i]) and not self.in_flight(i) and not self.owes_update(i):
+                trap.release(self.params[i])
+
+    @trap.internal
     def settle(self, indices) -> None:
         """Make these parameters current: communication done, update applied, zero applied."""
         if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
+            self._release(indices)
             return
         recorder = state.recorder
         began = time.perf_counter_ns() if recorder is not None else 0
@@ -246,6 +275,7 @@ class ModelRuntime:
         for i in ready + list(indices):
             if i in self.deferred_zero:
                 optim.zero_param_grad(self.params[i], self.deferred_zero.pop(i))
+        self._release(ready + list(indices))
 
     def apply_updates(self, indices) -> None:
         batches: dict[tuple, list] = {}
@@ -261,13 +291,17 @@ class ModelRuntime:
             return
         self.settle(list(range(len(self.params))))
 
-    def optimizer_step(self, optimizer, closure):
-        """Replaces `optimizer.step()`: update what is ready, leave the rest pending."""
+    @trap.internal
+    def optimizer_step(self, optimizer, closure, number: int):
+        """Replaces step() number `number`: update what is ready, leave the rest pending."""
         if self.passes_per_sync > 1:
             self.force_accumulated()
-        self.settle([i for g in optimizer.param_groups for p in g["params"]
-                     if (i := self.index.get(id(p))) is not None and i in self.pending])
+        mine = [i for g in optimizer.param_groups for p in g["params"] if (i := self.index.get(id(p))) is not None]
+        self.settle([i for i in mine if i in self.pending])
+        self.replicas.before_step(number, mine, self.params)
         reason = optim.why_not_elementwise(optimizer, closure)
+        if reason is None and compiled.inside_compiled_call():
+            reason = "a step inside a compiled call"
         if reason is not None:
             state.say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
             self.flush()
@@ -291,10 +325,13 @@ class ModelRuntime:
                     else:
                         now.append((g, p))
         _step_subset(optimizer, snapshot, now)
+        self._release(self.index[id(p)] for _, p in now if id(p) in self.index)
         return None
 
+    @trap.internal
     def zero_grad(self, params, set_to_none: bool) -> None:
         """Zero now what is settled; what is still in flight is zeroed right after its update."""
+        settled = []
         with self.cv:
             for p in params:
                 i = self.index.get(id(p))
@@ -302,12 +339,15 @@ class ModelRuntime:
                     self.deferred_zero[i] = set_to_none
                 else:
                     optim.zero_param_grad(p, set_to_none)
+                    if i is not None:
+                        settled.append(i)
+        self._release(settled)
 
     def counters(self) -> dict:
         stats = dict(self.scheduler.stats) if self.scheduler else {}
         return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
                 "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
-                "negotiations": stats.get("negotiations", 0)}
+                "negotiations": stats.get("negotiations", 0), "checks": self.replicas.checks}
 
     def close(self) -> None:
         """Stop the scheduler's threads and take the hooks off the model."""
@@ -316,3 +356,5 @@ class ModelRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles = []  # its counters stay in state.MODELS for the run report
+        for param in self.params:
+            trap.release(param)
