@@ -120,25 +120,21 @@ def parse_order(text: str) -> str:
     return f"{name.lower()}:{folder}" if folder else name.lower()
 
 
-def parse_count(text: str) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ValueError("a whole number such as 2") from None
-    if value < 1:
-        raise ValueError("at least 1")
-    return value
+def parse_whole(minimum: int, example: str) -> Callable[[str], int]:
+    """A parser of whole numbers from `minimum` up."""
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise ValueError(f"a whole number such as {example}") from None
+        if value < minimum:
+            raise ValueError(f"at least {minimum}")
+        return value
+    return parse
 
 
-def parse_every(text: str) -> int:
-    """A number of steps, 0 for never."""
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ValueError("a whole number of steps such as 100 (0: never)") from None
-    if value < 0:
-        raise ValueError("0 or more")
-    return value
+parse_count = parse_whole(1, "2")
+parse_every = parse_whole(0, "100 (0: never)")
 
 
 def parse_seconds(text: str) -> float:

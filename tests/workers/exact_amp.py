@@ -14,9 +14,10 @@ import json
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from exact_common import mlp, start
 
 
 def main():
@@ -29,11 +30,8 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(5)], nn.Linear(64, 10))
+    rank, data = start()
+    model = mlp(64, 5)
     kwargs = {} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}
     net = DDP(model, **kwargs)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -41,7 +39,6 @@ def main():
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     else:
         scaler = torch.cuda.amp.GradScaler(init_scale=2.0 ** 10)
-    data = torch.Generator().manual_seed(rank)
     scales = []
     for step in range(a.steps):
         opt.zero_grad()

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from exact_common import start
 from torch.utils.checkpoint import checkpoint
 
 
@@ -51,14 +53,10 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank, data = start()
     model = Net(bool(a.reentrant), a.last_in_ckpt, a.shared)
     net = DDP(model)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    data = torch.Generator().manual_seed(rank)
     for _ in range(a.steps):
         opt.zero_grad()
         for micro in range(a.accumulate):

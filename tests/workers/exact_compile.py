@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from exact_common import start
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -19,10 +21,7 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank, data = start(data_seed=100)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     if a.mode == "outer":
@@ -30,7 +29,6 @@ def main():
     else:
         net = DDP(torch.compile(model, backend=a.backend))
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    data = torch.Generator().manual_seed(100 + rank)
     for _ in range(a.steps):
         x, y = torch.randn(16, 32, generator=data), torch.randn(16, 1, generator=data)
         loss = (net(x) - y).square().mean()

@@ -9,9 +9,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from exact_common import mlp, start
 
 
 def main():
@@ -21,14 +22,10 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)], nn.Linear(128, 10))
+    rank, data = start()
+    model = mlp(128, 6)
     net = DDP(model)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    data = torch.Generator().manual_seed(rank)
     for _ in range(a.steps):
         opt.zero_grad()
         x, y = torch.randn(32, 128, generator=data), torch.randint(0, 10, (32,), generator=data)

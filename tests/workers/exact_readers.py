@@ -13,9 +13,10 @@ import argparse
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from exact_common import mlp, start
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 
@@ -26,15 +27,11 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)], nn.Linear(128, 10))
+    rank, data = start()
+    model = mlp(128, 6)
     net = DDP(model)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if a.reader == "ema" else None
-    data = torch.Generator().manual_seed(rank)
     norms = []
     for _ in range(a.steps):
         opt.zero_grad()
