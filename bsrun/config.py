@@ -326,6 +326,7 @@ def load_tuned(signature: str, path: Path = TUNED_FILE) -> dict[str, str]:
 # Variables of the launcher-to-worker contract that are not knobs.
 ACTIVE_ENV = "BSRUN_ACTIVE"              # "1": the bsrun sitecustomize installs the bootstrap
 REPORT_DIR_ENV = "BSRUN_REPORT_DIR"      # where each rank writes its part of the run summary
+LAUNCHER_PID_ENV = "BSRUN_LAUNCHER_PID"  # the bsrun that started the launch: its workers end when it is gone
 PACKAGE_ROOT_ENV = "BSRUN_PACKAGE_ROOT"  # lets a worker's Python find bsrun if not installed there
 DEBUG_ENV = "BSRUN_DEBUG"                # "1": workers say what the bootstrap did
 WORKER_PID_ENV = "BSRUN_WORKER_PID"      # set by the training worker, so its children stand aside

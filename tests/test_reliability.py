@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from conftest import WORKERS, last_run, run_bsrun
+from conftest import WORKERS, last_run, run_bsrun, start_bsrun
 
 SCRIPT = WORKERS / "hang_or_die.py"
 TIMEOUT, GRACE = 3, 2
@@ -76,3 +76,47 @@ def test_a_rank_that_exits_early_is_not_taken_for_a_hung_one(workdir):
     assert proc.returncode == 0, proc.stderr
     assert "stopped responding" not in proc.stderr
     assert time.monotonic() - started > 3 * TIMEOUT
+
+
+SLEEPER = """import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(f"pid-{os.environ['RANK']}", "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(120)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [["-np", 2, "python"], ["torchrun", "--standalone", "--nproc-per-node", 2]],
+                         ids=["bsrun-np", "bsrun-torchrun"])
+def test_a_launcher_killed_outright_leaves_no_worker_behind(workdir, launch):
+    """SIGKILL (or the OOM killer) gives the launcher no chance to stop its workers: they
+    notice it is gone and end themselves and what they started, also under a foreign
+    launcher (torchrun) that would otherwise keep them."""
+    script = workdir / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = start_bsrun([*launch, script], cwd=workdir)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((workdir / f"pid-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all((workdir / f"pid-{r}").exists() for r in (0, 1)), "the workers did not start"
+        launched = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        workers = [int(pid) for r in (0, 1) for pid in (workdir / f"pid-{r}").read_text().split()]
+        assert set(workers) <= set(launched)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in launched) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in launched if not gone(pid)]
+    for pid in left:  # do not leave them to the next test
+        psutil.Process(pid).kill()
+    assert not left, f"still running 10 s after the launcher was killed: {left}"

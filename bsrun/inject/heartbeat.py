@@ -1,16 +1,26 @@
-"""A worker's sign of life for the launcher's watchdog (bsrun/launch/watchdog.py).
+"""A worker's sign of life for the launcher's watchdog, and its watch on the launcher.
 
-A daemon thread touches `<report dir>/heartbeat-<rank>` every second. It needs the
-Python interpreter, so a rank stuck in native code that holds the GIL (the way Horovod's
-blocking wait sleeps), or stopped altogether, goes quiet, while one that merely computes,
-evaluates or waits in a collective keeps beating (the collective's own timeout covers
-that). The file goes when the rank writes its report at exit.
+A daemon thread touches `<report dir>/heartbeat-<rank>` every second
+(bsrun/launch/watchdog.py reads it). It needs the Python interpreter, so a rank stuck in
+native code that holds the GIL (the way Horovod's blocking wait sleeps), or stopped
+altogether, goes quiet, while one that merely computes, evaluates or waits in a
+collective keeps beating (the collective's own timeout covers that). The file goes when
+the rank writes its report at exit.
+
+The same thread watches the bsrun that started the launch (BSRUN_LAUNCHER_PID): a
+launcher killed outright (SIGKILL, the OOM killer) cannot stop its workers, and a
+foreign launcher it wrapped (torchrun) would keep them; so a worker whose launcher is
+gone ends itself and the processes it started, within a beat or two.
 """
 
+import os
+import sys
 import threading
 from pathlib import Path
 
-from bsrun.config import REPORT_DIR_ENV, worker_setting
+import psutil
+
+from bsrun.config import LAUNCHER_PID_ENV, REPORT_DIR_ENV, worker_setting
 
 PERIOD_S = 1.0
 _FILE: list[Path] = []
@@ -18,23 +28,60 @@ _STOPPED = threading.Event()
 _LOCK = threading.Lock()  # no beat between stop()'s unlink and the exit: it would leave a stale file
 
 
+def _launcher() -> "psutil.Process | None":
+    pid = worker_setting(LAUNCHER_PID_ENV)
+    try:
+        return psutil.Process(int(pid)) if pid else None
+    except (ValueError, psutil.Error):
+        return None
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a killed launcher its own parent has not reaped yet)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _end_orphaned_worker(rank: int, launcher_pid: int) -> None:
+    try:
+        print(f"bsrun: rank {rank}: the launcher (pid {launcher_pid}) is gone; ending this worker",
+              file=sys.stderr, flush=True)
+    except OSError:
+        pass  # the launcher held the other end of our output
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(1)
+
+
 def start(rank: int) -> None:
     folder = worker_setting(REPORT_DIR_ENV)
-    if not folder or not Path(folder).is_dir():
+    path = Path(folder) / f"heartbeat-{rank}" if folder and Path(folder).is_dir() else None
+    launcher = _launcher()
+    if path is None and launcher is None:
         return
-    path = Path(folder) / f"heartbeat-{rank}"
-    _FILE.append(path)
+    if path is not None:
+        _FILE.append(path)
+        path.touch()
 
     def beat():
         while not _STOPPED.wait(PERIOD_S):
+            if launcher is not None and not _alive(launcher):
+                _end_orphaned_worker(rank, launcher.pid)
+            if path is None:
+                continue
             with _LOCK:
                 if _STOPPED.is_set():
                     return
                 try:
                     path.touch()
                 except OSError:
-                    return  # the launcher removed the folder: the launch is over
-    path.touch()
+                    pass  # the launcher removed the folder: the launch is ending
+
     threading.Thread(target=beat, name="bsrun-heartbeat", daemon=True).start()
 
 

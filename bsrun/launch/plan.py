@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Mapping
 
 import bsrun
-from bsrun.config import (ACTIVE_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV, PS_SERVERS_ENV,
-                          PS_WORKERS_ENV, REPORT_DIR_ENV, SchedConfig)
+from bsrun.config import (ACTIVE_ENV, LAUNCHER_PID_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV,
+                          PS_SERVERS_ENV, PS_WORKERS_ENV, REPORT_DIR_ENV, SchedConfig)
 from bsrun.errors import BsrunError
 from bsrun.inject import SITE_DIR
 from bsrun.launch.workers import WorkerSpec
@@ -115,6 +115,7 @@ class LaunchPlan:
         """The environment that switches bsrun on in every Python process below."""
         env = dict(self.base_env, PYTHONPATH=python_path(SITE_DIR, self.base_env))
         env[ACTIVE_ENV] = "1"
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[PACKAGE_ROOT_ENV] = str(PACKAGE_ROOT)
         if self.report_dir is not None:
             env[REPORT_DIR_ENV] = str(self.report_dir)
