@@ -15,6 +15,7 @@ CASES = {
     "mixed-dtypes": ("scheduled", None),
     "shared": ("scheduled", None),
     "twice": ("scheduled", None),
+    "comm-hook": ("fallback", "not scheduling this model (a DDP comm hook: fp16_compress_hook); it runs as plain DDP"),
     "no-ddp": ("off", "nothing was scheduled: this script built no DistributedDataParallel model"),
 }
 

@@ -87,6 +87,7 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
             self.__class__ = DistributedDataParallel  # from here on, exactly plain DDP
             return
         torch.nn.Module.__init__(self)
+        self._bsrun_arguments = (args, kwargs)  # to become the real DDP (register_comm_hook)
         self.module = module
         self.process_group = a["process_group"] or dist.distributed_c10d._get_default_group()
         self.require_backward_grad_sync = True
@@ -127,9 +128,25 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         finally:
             self.require_backward_grad_sync = previous
 
-    def register_comm_hook(self, state, hook):
-        raise RuntimeError("bsrun schedules this model's gradient communication itself, so DDP "
-                           "comm hooks cannot be registered; run with --no-schedule to use them")
+    def register_comm_hook(self, hook_state, hook):
+        """bsrun does not run DDP comm hooks on its partitions yet: registered before the model's
+        first backward pass (as DDP's documentation asks), the model becomes the real DDP, said
+        once; afterwards it cannot change any more and the hook is refused."""
+        if self._bsrun.layout is not None:
+            raise RuntimeError("bsrun already schedules this model's gradients, so a DDP comm hook can "
+                               "only be registered before its first backward pass; run with --no-schedule "
+                               "to use it later")
+        self._become_plain_ddp(f"a DDP comm hook: {getattr(hook, '__name__', type(hook).__name__)}")
+        return self.register_comm_hook(hook_state, hook)
+
+    def _become_plain_ddp(self, reason: str) -> None:
+        """From here on exactly the DDP the script asked for (no round of bsrun's has begun)."""
+        self._bsrun.close()
+        state.withdraw(self._bsrun)
+        state.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
+        args, kwargs = self._bsrun_arguments
+        DistributedDataParallel.__init__(self, *args, **kwargs)
+        self.__class__ = DistributedDataParallel
 
     def __getstate__(self):
         raise RuntimeError("a bsrun-scheduled DDP model cannot be pickled; save model.module "

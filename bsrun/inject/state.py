@@ -91,6 +91,13 @@ def set_mode(mode: str) -> None:
         _COUNTS["mode"] = mode
 
 
+def withdraw(model) -> None:
+    """A scheduled model that became plain DDP before its first round."""
+    MODELS.discard(model)
+    if not MODELS:
+        _COUNTS["mode"] = "fallback"
+
+
 def note_if_nothing_scheduled() -> None:
     """A distributed script that stepped an optimizer but built nothing bsrun schedules."""
     if _COUNTS["mode"] == "off" and _COUNTS["steps"] and (world_size() or 1) > 1:

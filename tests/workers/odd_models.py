@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -95,6 +96,10 @@ def build(case):
         return DDP(Twice())
     if case == "find-unused":
         return DDP(Branchy(), find_unused_parameters=True)
+    if case == "comm-hook":
+        model = DDP(Twice())
+        model.register_comm_hook(None, fp16_compress_hook)
+        return model
     if case == "no-ddp":
         return Twice()
     raise SystemExit(f"unknown case {case}")
