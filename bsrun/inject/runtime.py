@@ -66,6 +66,12 @@ class ModelRuntime:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        unguarded = sorted({type(p).__name__ for p in self.params if not trap.trappable(p)})
+        if unguarded:
+            state.say_once(f"parameters of class {', '.join(unguarded)} cannot be guarded against early reads: "
+                           f"code that reads them between backward() and the next forward sees them settled "
+                           f"only at bsrun's flush points (state_dict, torch.save, clipping, zero_grad); call "
+                           f"bsrun.synchronize() before such reads")
         n = len(self.params)
         self.accumulated = [0] * n     # backward passes since the last communication
         self.ready = [0] * n           # rounds in which the grad hook fired

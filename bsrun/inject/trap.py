@@ -98,8 +98,12 @@ _TRAPS = {UnsettledParameter: torch.nn.Parameter, UnsettledTensor: torch.Tensor}
 _TRAP_OF = {plain: trap for trap, plain in _TRAPS.items()}
 
 
-def trap(tensor: torch.Tensor, owner: Owner, index: int) -> None:
+def trappable(tensor: torch.Tensor) -> bool:
     """Only a tensor of exactly nn.Parameter or Tensor: another subclass keeps its own class."""
+    return type(tensor) in _TRAP_OF or type(tensor) in _TRAPS
+
+
+def trap(tensor: torch.Tensor, owner: Owner, index: int) -> None:
     if type(tensor) in _TRAP_OF:
         _OWNERS[id(tensor)] = (owner, index)
         tensor.__class__ = _TRAP_OF[type(tensor)]
