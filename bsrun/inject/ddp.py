@@ -16,10 +16,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, _JoinConfig
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
-from bsrun.inject import compiled, state
+from bsrun.inject import compiled, join, state
 from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.ps_backend import PSTransport
 from bsrun.sched.torch_backend import TorchTransport
@@ -31,8 +32,8 @@ _UNSUPPORTED_ARGS = ("device_ids", "output_device", "mixed_precision", "device_m
 
 def fallback_reason(module: torch.nn.Module, args: dict, config: SchedConfig) -> str | None:
     """Why this DDP must stay plain DDP, or None when bsrun can schedule it exactly."""
-    if args["find_unused_parameters"]:
-        return "find_unused_parameters=True"
+    if args.get("skip_all_reduce_unused_params"):
+        return "DDP argument skip_all_reduce_unused_params"
     for name in _UNSUPPORTED_ARGS:
         if args.get(name) is not None:
             return f"DDP argument {name}"
@@ -44,15 +45,15 @@ def fallback_reason(module: torch.nn.Module, args: dict, config: SchedConfig) ->
     return why_not_schedulable([p for p in module.parameters() if p.requires_grad], module.modules())
 
 
-def broadcast_from_rank0(tensors, group) -> None:
-    """Rank 0's values into every rank's tensors, one collective per dtype."""
+def broadcast_from_rank0(tensors, group, src: int = 0) -> None:
+    """Rank 0's values (or group rank `src`'s) into every rank's tensors, one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for ts in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
             offset = 0
             for t in ts:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -98,8 +99,11 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         transport = PSTransport if config.arch == "ps" else TorchTransport
         self._bsrun_transport = transport(dist.get_process_group_ranks(self.process_group),
                                           timedelta(seconds=config.timeout))
-        self._bsrun = ModelRuntime(module.named_parameters(), module.modules(), config,
-                                   self._bsrun_transport)
+        self._bsrun = ModelRuntime(module.named_parameters(), module.modules(), config, self._bsrun_transport,
+                                   unused_group=(self._bsrun_transport.control_group
+                                                 if a["find_unused_parameters"] else None))
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable's; Join sets it
+        self._bsrun_sync_work = None  # under Join: the last "this forward synchronises" all-reduce
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
             broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
@@ -111,13 +115,54 @@ class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
         return self.module(*inputs, **kwargs)
 
     def _pre_forward(self) -> None:
-        """DDP's buffer broadcast and the sync decision of this forward (eager under compile)."""
+        """DDP's buffer broadcast and the sync decision of this forward (eager under compile);
+        under Join, DDP's notification and what joined ranks shadow (bsrun/inject/join.py)."""
+        joining = self._join_config.enable
+        if joining:
+            Join.notify_join_context(self)
         if self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers:
             self.modules_buffers = list(self.module.buffers())
-            broadcast_from_rank0(self.modules_buffers, self._bsrun_transport.control_group)
+            group = self._bsrun_transport.control_group
+            self._broadcast_buffers(join.common_rank(group, True) if joining else 0)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if joining:
+            if self._bsrun_sync_work is not None:
+                self._bsrun_sync_work.wait()  # the last iteration's, long finished
+            self._bsrun_sync_work = join.announce_sync(self._bsrun_transport.control_group, sync)
         self._bsrun.sync_backward = sync
         self.require_forward_param_sync = sync
+
+    def _broadcast_buffers(self, src: int) -> None:
+        broadcast_from_rank0(self.modules_buffers, self._bsrun_transport.control_group, src)
+
+    def _broadcast_model(self, src: int) -> None:
+        """Join's end: the model from group rank `src` (DDP's _sync_final_model)."""
+        buffers = list(self.module.buffers()) if self.forward_sync_buffers else []
+        broadcast_from_rank0(list(self.module.parameters()) + buffers, self._bsrun_transport.control_group, src)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """DDP's join(): uneven inputs (bsrun/inject/join.py)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        if not kwargs.get("divide_by_initial_world_size", True):
+            if self._bsrun.layout is not None:
+                raise RuntimeError("bsrun already schedules this model's gradients, dividing by the initial "
+                                   "world size: join(divide_by_initial_world_size=False) can only be used "
+                                   "before its first backward pass; run with --no-schedule to use it later")
+            self._become_plain_ddp("join(divide_by_initial_world_size=False)")
+            return self.join_hook(**kwargs)
+        return join.ScheduledJoinHook(self)
+
+    @property
+    def join_device(self):
+        return next(iter(self.module.parameters())).device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -10,7 +10,11 @@ update of one parameter depends on that parameter alone: the allow-list below.
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+from bsrun.inject import state
 
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta",
@@ -35,10 +39,11 @@ def full_step(optimizer, closure=None):
     return step(optimizer) if closure is None else step(optimizer, closure)
 
 
-def why_not_elementwise(optimizer, closure) -> str | None:
-    """A reason this step needs every gradient at once, or None if per-parameter is exact."""
-    if closure is not None:
-        return "an optimizer closure"
+def why_not_elementwise(optimizer) -> str | None:
+    """A reason this step needs every gradient at once, or None if per-parameter is exact.
+    A closure is no reason: an elementwise optimizer runs it first and then updates each
+    parameter from its own gradient alone (only the closure's loss is returned); a
+    non-elementwise one (LBFGS) may call it again and reads every gradient between calls."""
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
         return "GradScaler's step of a fused optimizer"  # a subset stepped later would miss them
     if type(optimizer) not in ELEMENTWISE:
@@ -53,9 +58,12 @@ def why_not_elementwise(optimizer, closure) -> str | None:
 
 
 def step_subset(optimizer, snapshot: list[dict], items: list[tuple[int, torch.nn.Parameter]]) -> None:
-    """One narrowed step over (group index, parameter) pairs, with the snapshot's values."""
+    """One narrowed step over (group index, parameter) pairs, with the snapshot's values;
+    timed for the profile recorder when one records."""
     if not items:
         return
+    recorder = state.recorder
+    began = time.perf_counter_ns() if recorder is not None else 0
     by_group: dict[int, list] = {}
     for group_index, param in items:
         by_group.setdefault(group_index, []).append(param)
@@ -65,6 +73,8 @@ def step_subset(optimizer, snapshot: list[dict], items: list[tuple[int, torch.nn
         unhooked_step(optimizer)(optimizer)
     finally:
         optimizer.param_groups = saved
+    if recorder is not None:
+        recorder.updated([p for _, p in items], began)
 
 
 def zero_param_grad(param, set_to_none: bool) -> None:

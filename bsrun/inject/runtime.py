@@ -26,6 +26,7 @@ from bsrun.inject import compiled, optim, state, trap
 from bsrun.inject.backward_end import BackwardEnd
 from bsrun.inject.order import DependencyCounter, transfer_order
 from bsrun.inject.replicas import ReplicaCheck
+from bsrun.inject.unused import UnusedParameters
 from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.task import Layout, forward_order
@@ -43,22 +44,16 @@ def why_not_schedulable(params: list[torch.Tensor], modules) -> str | None:
     return None
 
 
-def _step_subset(optimizer, snapshot, items) -> None:
-    """optim.step_subset, timed for the profile recorder when one records."""
-    recorder = state.recorder
-    began = time.perf_counter_ns() if recorder is not None else 0
-    optim.step_subset(optimizer, snapshot, items)
-    if recorder is not None and items:
-        recorder.updated([p for _, p in items], began)
-
-
 class ModelRuntime:
     """Scheduling state of one model's parameters."""
 
-    def __init__(self, named_params, modules, config, transport: Transport, passes_per_sync: int = 1):
+    def __init__(self, named_params, modules, config, transport: Transport, passes_per_sync: int = 1,
+                 unused_group=None):
         """`named_params`: (name, parameter) pairs; `modules`: those whose forward uses them
         (their pre-hooks are the dependency proxy); `passes_per_sync`: backward passes
-        accumulated locally per communication (Horovod's backward_passes_per_step)."""
+        accumulated locally per communication (Horovod's backward_passes_per_step);
+        `unused_group`: DDP's find_unused_parameters=True, the group that sums the used maps
+        (bsrun/inject/unused.py)."""
         self.config = config
         self.transport = transport
         self.passes_per_sync = passes_per_sync
@@ -82,6 +77,7 @@ class ModelRuntime:
         self.cv = threading.Condition()
         self.error: BaseException | None = None
         self.sync_backward = True                 # set by each forward (no_sync turns it off)
+        self.unused = UnusedParameters(unused_group, n) if unused_group is not None else None
         self.first_use: list[int] = []
         self._first_use_seen: set[int] = set()
         self.layout: Layout | None = None
@@ -134,9 +130,11 @@ class ModelRuntime:
 
     @trap.internal
     def _on_grad(self, param) -> None:
+        i = self.index[id(param)]
+        if self.unused is not None:
+            self.unused.note_used(i)  # under no_sync too, as DDP's local used map
         if not self.sync_backward:
             return  # inside no_sync(): gradients accumulate locally
-        i = self.index[id(param)]
         if i in self._seen_this_backward:
             raise RuntimeError(state.failed(
                 f"Expected to mark a variable ready only once: the gradient of {self.names[i]} arrived "
@@ -149,36 +147,56 @@ class ModelRuntime:
         self._seen_this_backward.add(i)
         self._mark_ready(i)
 
-    def _mark_ready(self, i: int) -> None:
+    def _mark_ready(self, i: int, grad: torch.Tensor | None = None, shadow: bool = False) -> None:
+        """Parameter i's contribution to this round: its `.grad`, or `grad` (contiguous).
+        `shadow`: a joined rank's zeros (Join), which leave the parameter as it is."""
         if self.scheduler is None:
             self._start()
         self.accumulated[i] = 0
         param = self.params[i]
-        if not param.grad.is_contiguous():
-            param.grad = param.grad.contiguous()
+        if grad is None:
+            if not param.grad.is_contiguous():
+                param.grad = param.grad.contiguous()
+            grad = param.grad
         with self.cv:
-            self.grads[i] = param.grad
+            self.grads[i] = grad
             self.ready[i] += 1
-        trap.trap(param, self, i)
+        if not shadow:
+            trap.trap(param, self, i)
         for pid in self.layout.tensor_ready(i):
             self.scheduler.mark_ready(pid)
 
     @trap.internal
     def _end_of_backward(self) -> None:
-        """Parameters the forward pass did not use still take part, with zero gradients.
+        """Parameters the forward pass did not use still take part: with zero gradients, or
+        with find_unused_parameters=True as DDP does (bsrun/inject/unused.py).
         Inside a compiled call, whatever follows the backward is compiled code: settle."""
         missing = [i for i in range(len(self.params)) if i not in self._seen_this_backward]
         self._seen_this_backward = set()
-        if missing:
+        if missing and self.unused is None:
             state.say_once(f"{len(missing)} parameter(s) got no gradient in a backward pass; "
                      f"bsrun all-reduces zeros for them (DDP would need find_unused_parameters=True)")
+        if missing:
             self.settle(missing)  # no forward waited for them: finish their last round first
-        for i in missing:
-            if self.params[i].grad is None:
-                self.params[i].grad = torch.zeros_like(self.params[i])
-            self._mark_ready(i)
+        if self.unused is not None:
+            for i, grad in self.unused.end_of_backward(missing, self.params).items():
+                self._mark_ready(i, grad)
+        else:
+            for i in missing:
+                if self.params[i].grad is None:
+                    self.params[i].grad = torch.zeros_like(self.params[i])
+                self._mark_ready(i)
         if compiled.inside_compiled_call():
             self.flush()
+
+    @trap.internal
+    def shadow_round(self) -> None:
+        """A joined rank's part in a round of the others (Join): zeros for every gradient, in
+        the agreed partitions and order; its own parameters and gradients stay as they are."""
+        self.flush()  # the backend reads `grads` until a round is finished
+        for i, param in enumerate(self.params):
+            self._mark_ready(i, torch.zeros_like(param, memory_format=torch.contiguous_format), shadow=True)
+        self.wait_for(range(len(self.params)))
 
     def force_accumulated(self) -> None:
         """Horovod's step()/synchronize() before backward_passes_per_step passes: what has
@@ -261,13 +279,20 @@ class ModelRuntime:
     def _release(self, indices) -> None:
         """Parameters with nothing owed are plain again (see bsrun/inject/trap.py)."""
         for i in indices:
-            if trap.is_trapped(self.params[i]) and not self.in_flight(i) and not self.owes_update(i):
+            if (trap.is_trapped(self.params[i]) and not self.in_flight(i) and not self.owes_update(i)
+                    and not (self.unused is not None and self.unused.owes(i))):
                 trap.release(self.params[i])
+
+    def _write_back(self, indices) -> None:
+        """find_unused_parameters: the gradients of locally unused parameters, as DDP leaves them."""
+        if self.unused is not None and self.unused.writeback:
+            self.unused.write_back(self.params, indices)
 
     @trap.internal
     def settle(self, indices) -> None:
         """Make these parameters current: communication done, update applied, zero applied."""
-        if not (self.pending or self.deferred_zero) and not any(self.in_flight(i) for i in indices):
+        if (not (self.pending or self.deferred_zero or (self.unused is not None and self.unused.writeback))
+                and not any(self.in_flight(i) for i in indices)):
             self._release(indices)
             return
         recorder = state.recorder
@@ -277,6 +302,7 @@ class ModelRuntime:
             recorder.waited(self, indices, began)
         with self.cv:  # with these, every other update that is ready: one optimizer call, not many
             ready = [i for i in self.pending if not self.in_flight(i)]
+        self._write_back(ready + list(indices))
         self.apply_updates(ready)
         for i in ready + list(indices):
             if i in self.deferred_zero:
@@ -289,7 +315,7 @@ class ModelRuntime:
             opt, snapshot, group = self.pending.pop(i)
             batches.setdefault((id(opt), id(snapshot)), [opt, snapshot, []])[2].append((group, self.params[i]))
         for opt, snapshot, items in batches.values():
-            _step_subset(opt, snapshot, items)
+            optim.step_subset(opt, snapshot, items)
 
     def flush(self) -> None:
         """Everything communicated, every pending update and zero applied."""
@@ -297,17 +323,13 @@ class ModelRuntime:
             return
         self.settle(list(range(len(self.params))))
 
-    @trap.internal
     def optimizer_step(self, optimizer, closure, number: int):
-        """Replaces step() number `number`: update what is ready, leave the rest pending."""
-        if self.passes_per_sync > 1:
-            self.force_accumulated()
-        mine = [i for g in optimizer.param_groups for p in g["params"] if (i := self.index.get(id(p))) is not None]
-        self.settle([i for i in mine if i in self.pending])
-        self.replicas.before_step(number, mine, self.params)
-        reason = optim.why_not_elementwise(optimizer, closure)
-        if reason is None and compiled.inside_compiled_call():
-            reason = "a step inside a compiled call"
+        """Replaces step() number `number`: update what is ready, leave the rest pending.
+        A closure of an elementwise optimizer runs first, as torch's optimizers run it (its
+        forward settles layer by layer, its backward is scheduled); its loss is returned.
+        The closure is the script's code: it runs outside bsrun's `internal`, trapped reads
+        stay guarded."""
+        reason = self._before_step(optimizer, number)
         if reason is not None:
             state.say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
             self.flush()
@@ -320,6 +342,29 @@ class ModelRuntime:
                 return loss
 
             return optim.full_step(optimizer, synchronised_closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_per_parameter(optimizer)
+        return loss
+
+    @trap.internal
+    def _before_step(self, optimizer, number: int) -> str | None:
+        """Settle what this step needs settled, check the replicas; why it cannot go per
+        parameter, or None."""
+        if self.passes_per_sync > 1:
+            self.force_accumulated()
+        mine = [i for g in optimizer.param_groups for p in g["params"] if (i := self.index.get(id(p))) is not None]
+        self.settle([i for i in mine if i in self.pending])
+        self.replicas.before_step(number, mine, self.params)
+        reason = optim.why_not_elementwise(optimizer)
+        if reason is None and compiled.inside_compiled_call():
+            reason = "a step inside a compiled call"
+        return reason
+
+    @trap.internal
+    def _step_per_parameter(self, optimizer) -> None:
         snapshot = optim.snapshot_groups(optimizer)
         now = []
         with self.cv:
@@ -330,9 +375,10 @@ class ModelRuntime:
                         self.pending[i] = (optimizer, snapshot, g)
                     else:
                         now.append((g, p))
-        _step_subset(optimizer, snapshot, now)
-        self._release(self.index[id(p)] for _, p in now if id(p) in self.index)
-        return None
+        settled = [self.index[id(p)] for _, p in now if id(p) in self.index]
+        self._write_back(settled)
+        optim.step_subset(optimizer, snapshot, now)
+        self._release(settled)
 
     @trap.internal
     def zero_grad(self, params, set_to_none: bool) -> None:
@@ -344,6 +390,8 @@ class ModelRuntime:
                 if i is not None and (self.in_flight(i) or i in self.pending):
                     self.deferred_zero[i] = set_to_none
                 else:
+                    if i is not None:
+                        self._write_back([i])
                     optim.zero_param_grad(p, set_to_none)
                     if i is not None:
                         settled.append(i)
