@@ -1,0 +1,108 @@
+"""DDP's semantics scheduled (issue 16): find_unused_parameters=True, Join with uneven inputs,
+and optimizer closures at full overlap.
+
+Each case runs a script from tests/workers/semantics_*.py on 2 real gloo ranks under
+`bsrun --no-schedule` (plain DDP) and under `bsrun` with small partitions (4KiB, credit 2x),
+and compares every rank's saved state (model, optimizer state, gradients, the losses the
+script saw) with allclose(rtol=1e-5), and which gradients are None exactly: under DDP a
+parameter unused on every rank keeps a None gradient (so Adam and weight decay leave it
+alone). The run summary must show every rank scheduled with partitions > 0, so the
+comparison is never against a fallback to plain DDP.
+"""
+
+import pytest
+import torch
+
+from conftest import WORKERS, assert_same_state, last_run, run_bsrun
+
+SCHED = ["--partition", "4KiB", "--credit", "2x", "--timeout", "60"]
+PLAIN = ["--no-schedule", "--timeout", "60"]
+SYNCHRONISING = "synchronising fully"
+
+
+def run(workdir, name, bsrun_args, script, args, timeout=240):
+    """One `bsrun ARGS -np 2 python SCRIPT`; returns ({rank: saved state}, the run summary)."""
+    out = workdir / name
+    proc = run_bsrun([*bsrun_args, "-np", 2, "python", WORKERS / script, *args, "--out", out],
+                     cwd=workdir, timeout=timeout)
+    assert proc.returncode == 0, (f"bsrun {' '.join(map(str, bsrun_args))} ... {script} exited "
+                                  f"{proc.returncode}\n--- stderr (tail)\n{proc.stderr[-3000:]}")
+    saved = {r: workdir / f"{name}-rank{r}.pt" for r in (0, 1)}
+    assert all(p.exists() for p in saved.values()), f"{script} did not save both ranks' states"
+    return {r: torch.load(p) for r, p in saved.items()}, last_run(workdir)
+
+
+def assert_scheduled(summary):
+    ranks = summary["ranks"]
+    assert len(ranks) == 2, f"expected 2 ranks in the run summary, got {ranks}"
+    modes = {r["rank"]: r.get("mode") for r in ranks}
+    assert set(modes.values()) == {"scheduled"}, \
+        f"not every rank ran scheduled: {modes} (notes: {[r.get('notes') for r in ranks]})"
+    for r in ranks:
+        assert r["partitions"] > 0 and r["bytes"] > 0, f"rank {r['rank']} scheduled nothing: {r}"
+
+
+def plain_and_scheduled(workdir, script, args):
+    plain, plain_summary = run(workdir, "plain", PLAIN, script, args)
+    assert {r.get("mode") for r in plain_summary["ranks"]} == {"off"}
+    sched, summary = run(workdir, "sched", SCHED, script, args)
+    assert_scheduled(summary)
+    for r in (0, 1):
+        assert sched[r]["grad_is_none"] == plain[r]["grad_is_none"], \
+            f"rank {r}: which gradients are None differs from plain DDP"
+        assert_same_state(sched[r], plain[r], f"rank {r}")
+    return plain, sched, summary
+
+
+@pytest.mark.slow
+def test_find_unused_parameters_used_on_one_rank_on_none_and_under_no_sync(workdir):
+    """find_unused_parameters=True, Adam with weight decay, 8 steps: `branch` runs on rank 0
+    only (averaged with rank 1's zeros, its gradient created on rank 1), `dead` on no rank
+    (its gradients stay None, Adam never steps it), `side` only in a no_sync micro-batch of
+    rank 1 (globally used: rank 1's accumulated gradient averaged), a step with
+    zero_grad(set_to_none=False), and a step where the script gives `dead.weight` a gradient
+    of its own, different per rank, which DDP leaves untouched (not averaged)."""
+    plain, _, _ = plain_and_scheduled(workdir, "semantics_unused.py", [])
+    for r in (0, 1):
+        none = plain[r]["grad_is_none"]
+        assert none["dead.bias"] and not none["branch.weight"], \
+            f"rank {r}: the plain run does not show DDP's unused-parameter semantics: {none}"
+    ranks_apart = (plain[0]["model"]["dead.weight"] - plain[1]["model"]["dead.weight"]).abs().max()
+    assert ranks_apart > 1e-3, "plain DDP should have stepped dead.weight with each rank's own gradient"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["context", "method"], ids=["Join([model])", "model.join()"])
+def test_join_with_uneven_inputs(workdir, how):
+    """Rank 0 has 5 batches, rank 1 has 3; SGD with momentum; BatchNorm's buffers broadcast
+    before each forward (under Join from the highest rank not joined); after the loop the
+    model of the last rank to join goes to every rank. Rank 1 shadows two rounds."""
+    _, _, summary = plain_and_scheduled(workdir, "semantics_join.py", ["--how", how])
+    rounds = {r["rank"]: r["rounds"] for r in summary["ranks"]}
+    assert rounds == {0: 5, 1: 5}, f"rank 1 should have shadowed rank 0's last 2 rounds: {rounds}"
+
+
+@pytest.mark.slow
+def test_join_with_find_unused_parameters(workdir):
+    """Both at once: a branch only rank 0 runs, find_unused_parameters=True, uneven inputs."""
+    plain_and_scheduled(workdir, "semantics_join.py", ["--find-unused"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_optimizer_closure_keeps_the_overlap(workdir, opt):
+    """step(closure) of an elementwise optimizer (Lightning's automatic optimisation): the
+    same model and losses as plain DDP, and no note of synchronising fully."""
+    _, sched, summary = plain_and_scheduled(workdir, "semantics_closure.py", ["--opt", opt])
+    notes = [n for r in summary["ranks"] for n in r.get("notes", [])]
+    assert not [n for n in notes if SYNCHRONISING in n], f"a closure made bsrun synchronise fully: {notes}"
+    assert len(sched[0]["losses"]) == 8
+
+
+@pytest.mark.slow
+def test_lbfgs_closure_still_synchronises_fully(workdir):
+    """LBFGS calls its closure several times and reads every gradient between the calls: it
+    keeps synchronising fully, said once, and stays exact."""
+    _, _, summary = plain_and_scheduled(workdir, "semantics_closure.py", ["--opt", "lbfgs"])
+    notes = [n for r in summary["ranks"] for n in r.get("notes", [])]
+    assert any(SYNCHRONISING in n and "LBFGS" in n for n in notes), notes
