@@ -75,6 +75,8 @@ class _AnyDDP(type(DistributedDataParallel)):
 
 class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
     def __init__(self, *args, **kwargs):
+        if dist.is_initialized():  # building a DDP model makes this process a worker (bootstrap.py)
+            state.become_worker(dist.get_rank(), dist.get_world_size())
         bound = _SIGNATURE.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments

@@ -10,7 +10,9 @@ the rank writes its report at exit.
 The same thread watches the bsrun that started the launch (BSRUN_LAUNCHER_PID): a
 launcher killed outright (SIGKILL, the OOM killer) cannot stop its workers, and a
 foreign launcher it wrapped (torchrun) would keep them; so a worker whose launcher is
-gone ends itself and the processes it started, within a beat or two.
+gone ends itself and the processes it started, within a beat or two. The process the
+launcher started itself (the wrapped command, when it is Python) watches from its start,
+worker or not (`watch_launcher`); other processes only once they become workers.
 """
 
 import os
@@ -24,6 +26,8 @@ from bsrun.config import LAUNCHER_PID_ENV, REPORT_DIR_ENV, worker_setting
 
 PERIOD_S = 1.0
 _FILE: list[Path] = []
+_RANK: list[int] = []                # this process's rank once it is a worker
+_THREAD: list[threading.Thread] = []
 _STOPPED = threading.Event()
 _LOCK = threading.Lock()  # no beat between stop()'s unlink and the exit: it would leave a stale file
 
@@ -44,10 +48,11 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def _end_orphaned_worker(rank: int, launcher_pid: int) -> None:
+def _end_orphaned(rank: int | None, launcher_pid: int) -> None:
+    who = f"rank {rank}" if rank is not None else f"pid {os.getpid()}"
     try:
-        print(f"bsrun: rank {rank}: the launcher (pid {launcher_pid}) is gone; ending this worker",
-              file=sys.stderr, flush=True)
+        print(f"bsrun: {who}: the launcher (pid {launcher_pid}) is gone; ending this "
+              f"{'worker' if rank is not None else 'process'}", file=sys.stderr, flush=True)
     except OSError:
         pass  # the launcher held the other end of our output
     for child in psutil.Process().children(recursive=True):
@@ -58,31 +63,48 @@ def _end_orphaned_worker(rank: int, launcher_pid: int) -> None:
     os._exit(1)
 
 
-def start(rank: int) -> None:
-    folder = worker_setting(REPORT_DIR_ENV)
-    path = Path(folder) / f"heartbeat-{rank}" if folder and Path(folder).is_dir() else None
-    launcher = _launcher()
-    if path is None and launcher is None:
-        return
-    if path is not None:
-        _FILE.append(path)
-        path.touch()
-
-    def beat():
-        while not _STOPPED.wait(PERIOD_S):
-            if launcher is not None and not _alive(launcher):
-                _end_orphaned_worker(rank, launcher.pid)
-            if path is None:
-                continue
-            with _LOCK:
-                if _STOPPED.is_set():
-                    return
+def _beat(launcher: "psutil.Process | None") -> None:
+    while not _STOPPED.wait(PERIOD_S):
+        if launcher is not None and not _alive(launcher):
+            _end_orphaned(_RANK[0] if _RANK else None, launcher.pid)
+        with _LOCK:
+            if _STOPPED.is_set():
+                return
+            for path in _FILE:
                 try:
                     path.touch()
                 except OSError:
                     pass  # the launcher removed the folder: the launch is ending
 
-    threading.Thread(target=beat, name="bsrun-heartbeat", daemon=True).start()
+
+def _ensure_thread() -> bool:
+    """The one thread of this process that beats and watches; False if there is nothing to do."""
+    with _LOCK:
+        if _THREAD:
+            return True
+        launcher = _launcher()
+        if launcher is None and not _FILE:
+            return False
+        _THREAD.append(threading.Thread(target=_beat, args=(launcher,), name="bsrun-heartbeat", daemon=True))
+    _THREAD[0].start()
+    return True
+
+
+def watch_launcher() -> None:
+    """Only the watch on the launcher (a process it started itself that is no worker yet)."""
+    _ensure_thread()
+
+
+def start(rank: int) -> None:
+    """This worker beats `heartbeat-<rank>` (and watches the launcher), from now on."""
+    folder = worker_setting(REPORT_DIR_ENV)
+    path = Path(folder) / f"heartbeat-{rank}" if folder and Path(folder).is_dir() else None
+    with _LOCK:
+        _RANK.append(rank)
+        if path is not None:
+            _FILE.append(path)
+            path.touch()
+    _ensure_thread()
 
 
 def stop() -> None:

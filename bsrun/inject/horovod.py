@@ -79,6 +79,7 @@ def _give_horovod_methods(optimizer, rt: ModelRuntime) -> None:
 
 
 def DistributedOptimizer(*args, **kwargs):
+    state.become_worker(hvd.rank(), hvd.size())  # building one makes this process a worker (bootstrap.py)
     bound = _SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)

@@ -1,6 +1,8 @@
 """The in-worker recorder of `bsrun profile`: one rank's events, written a step at a time.
 
-Installed by the bootstrap when BSRUN_PROFILE_DIR is set. Every rank appends to
+Installed by the bootstrap when BSRUN_PROFILE_DIR is set: the construction hooks at torch's
+import (`install_hooks`), the recorder itself when the process becomes a worker (`start`,
+from the bootstrap's on-worker callback). Every rank appends to
 `rank-<r>.jsonl` in that folder, in the format bsrun/trace_events.py defines: meta lines
 (this rank, its clock offset, a model's modules and parameters, a scheduler's
 partitions) and event lines (everything recorded since the last line, written at each
@@ -196,13 +198,15 @@ class Recorder:
         ending.end_job(self.rank, last_words)
 
 
-def _watch_horovod(recorder: Recorder, hvd) -> None:
+def _watch_horovod(hvd) -> None:
     """Horovod is given parameters, not the model: the first module a forward pass calls
-    once Horovod is initialized (the outermost, the model) is watched from then on."""
+    once Horovod is initialized and this process records (the outermost, the model) is
+    watched from then on."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     def first_forward(module, _args):
-        if recorder.models or not hvd.is_initialized():
+        recorder = state.recorder
+        if recorder is None or recorder.models or not hvd.is_initialized():
             return
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -213,20 +217,31 @@ def _watch_horovod(recorder: Recorder, hvd) -> None:
     handle = register_module_forward_pre_hook(first_forward)
 
 
-def _watch_ddp_construction(recorder: Recorder) -> None:
-    """Every DDP the script builds (bsrun's ScheduledDDP, or the genuine one) is watched."""
+def _watch_ddp_construction() -> None:
+    """Every DDP the script builds (bsrun's ScheduledDDP, or the genuine one) is watched, once
+    it is built: building it made this process a worker, and so its recorder."""
     cls = torch.nn.parallel.DistributedDataParallel
     original = cls.__init__
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        recorder.watch(self, self.module, None if hasattr(self, "_bsrun") else self)
+        if state.recorder is not None:
+            state.recorder.watch(self, self.module, None if hasattr(self, "_bsrun") else self)
 
     cls.__init__ = __init__
 
 
-def install(rank: int) -> None:
-    """Record this worker as BSRUN_PROFILE_* describe."""
+def install_hooks() -> None:
+    """At torch's import, after bsrun's patches (BSRUN_PROFILE_DIR set): the construction
+    hooks, which record only once `start` made this process's recorder."""
+    _watch_ddp_construction()
+    when_imported("horovod.torch", _watch_horovod)  # may still be importing
+
+
+def start(rank: int) -> None:
+    """Record this worker as BSRUN_PROFILE_* describe (it just became a worker)."""
+    if state.recorder is not None:
+        return
     steps = worker_setting(PROFILE_STEPS_ENV)
     scheduled = state.config().enabled
     recorder = Recorder(rank, Path(worker_setting(PROFILE_DIR_ENV)), int(worker_setting(PROFILE_WARMUP_ENV) or 0),
@@ -236,6 +251,4 @@ def install(rank: int) -> None:
         state.STEP_LISTENERS.append(recorder.on_step)
     else:
         recorder.hook_optimizer_steps(count=True)
-    _watch_ddp_construction(recorder)
-    when_imported("horovod.torch", lambda hvd: _watch_horovod(recorder, hvd))  # may still be importing
     atexit.register(recorder.close)

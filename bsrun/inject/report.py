@@ -1,4 +1,9 @@
-"""Each rank's part of the run summary, written once at exit for the launcher to merge."""
+"""Each rank's part of the run summary, written once at exit for the launcher to merge.
+
+`rank-<rank>-<pid>.json` in the launch's report folder: two processes may claim one rank
+(a launcher's rank in the environment, then workers its script spawned), and the launcher
+keeps the one that did the most (bsrun/launch/summary.py).
+"""
 
 import os
 import sys
@@ -20,6 +25,6 @@ def write_rank_report(rank: int) -> None:
     if not folder or not os.path.isdir(folder):
         return
     try:
-        atomic_write_json(Path(folder) / f"rank-{rank}.json", rank_report(rank))
+        atomic_write_json(Path(folder) / f"rank-{rank}-{os.getpid()}.json", rank_report(rank))
     except OSError as e:
         print(f"bsrun: warning: could not write the run report of rank {rank}: {e}", file=sys.stderr)

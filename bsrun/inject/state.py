@@ -2,7 +2,9 @@
 
 A leaf (the standard library and bsrun.config only; no torch), so every other module of
 inject/ can read and report through it without importing the modules that do the work:
-the rank and world size, the config resolved once, the notes users see once, the
+whether and since when this process is a data-parallel worker (`become_worker`: its rank
+and world size from then on, and the callbacks that start a worker's services), the
+config resolved once, the notes users see once, the
 counters of the run summary, the models being scheduled (their ModelRuntime objects,
 by duck type: `index`, `flush()`, `close()`, `counters()`), the step listeners and the
 profile recorder's slot.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import weakref
 
 from bsrun.config import DEBUG_ENV, SchedConfig, worker_setting
@@ -25,6 +28,9 @@ recorder = None            # while `bsrun profile` records: its Recorder (bsrun/
 _NOTES: list[str] = []
 _COUNTS = {"mode": "off", "steps": 0}
 _CONFIG: list[SchedConfig] = []
+_WORKER: list[tuple[int, int]] = []  # (rank, world size) once this process is a worker
+_ON_WORKER: list = []                # callables(rank, world_size), run when it becomes one
+_WORKER_LOCK = threading.Lock()
 
 
 def _first_number(names, env):
@@ -35,14 +41,56 @@ def _first_number(names, env):
     return None
 
 
-def worker_rank(env=os.environ):
-    """This process's global rank, or None when it is not a training worker."""
+def env_rank(env=os.environ):
+    """The rank a launcher gave this process in its environment (torchrun, Horovod, MPI), or None."""
     return _first_number(RANK_VARIABLES, env)
 
 
+def worker_rank(env=os.environ):
+    """This worker's global rank; before it became one, the rank its environment names (or None)."""
+    return _WORKER[0][0] if _WORKER else env_rank(env)
+
+
 def world_size(env=os.environ):
-    """The number of workers its launcher started, or None when not a training worker."""
-    return _first_number(SIZE_VARIABLES, env)
+    """The number of workers of its job; before it became a worker, the environment's (or None)."""
+    return _WORKER[0][1] if _WORKER else _first_number(SIZE_VARIABLES, env)
+
+
+def is_worker() -> bool:
+    return bool(_WORKER)
+
+
+def on_worker(callback) -> None:
+    """Run callback(rank, world_size) when this process becomes a worker (now, if it is one)."""
+    with _WORKER_LOCK:
+        _ON_WORKER.append(callback)
+        now = list(_WORKER)
+    if now:
+        _run_worker_callback(callback, *now[0])
+
+
+def become_worker(rank: int, world_size: int) -> bool:
+    """This process is rank `rank` of `world_size` data-parallel workers from now on: where it
+    builds a DDP model or an hvd.DistributedOptimizer (or starts with a launcher's rank).
+    The first call counts; it runs the on_worker callbacks. True if this call made it one."""
+    with _WORKER_LOCK:
+        if _WORKER:
+            if _WORKER[0] != (rank, world_size):
+                debug(f"already worker {_WORKER[0][0]} of {_WORKER[0][1]}; ignoring rank {rank} of {world_size}")
+            return False
+        _WORKER.append((int(rank), int(world_size)))
+        callbacks = list(_ON_WORKER)
+    for callback in callbacks:
+        _run_worker_callback(callback, int(rank), int(world_size))
+    return True
+
+
+def _run_worker_callback(callback, rank: int, size: int) -> None:
+    try:
+        callback(rank, size)
+    except Exception as e:  # never break the user's model because of bsrun's services
+        print(f"bsrun: rank {rank}: warning: could not start {getattr(callback, '__name__', callback)}: {e!r}",
+              file=sys.stderr, flush=True)
 
 
 def config() -> SchedConfig:
@@ -100,7 +148,7 @@ def withdraw(model) -> None:
 
 def note_if_nothing_scheduled() -> None:
     """A distributed script that stepped an optimizer but built nothing bsrun schedules."""
-    if _COUNTS["mode"] == "off" and _COUNTS["steps"] and (world_size() or 1) > 1:
+    if _COUNTS["mode"] == "off" and _COUNTS["steps"] and _WORKER and _WORKER[0][1] > 1:
         say_once("nothing was scheduled: this script built no DistributedDataParallel model "
                  "and no hvd.DistributedOptimizer, so its communication ran as written")
 

@@ -16,7 +16,6 @@ If the job ends before step K + S, or never steps under bsrun, nothing is writte
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -49,7 +48,7 @@ class Trial:
         partition, credit = state.agreed_sizes()
         return {"trial": worker_setting(TRIAL_ID_ENV), "warmup": self.warmup, "steps": self.steps,
                 "step_times": times, "median_step_s": median, "steps_per_s": 1.0 / median,
-                "mode": counters["mode"], "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "mode": counters["mode"], "world_size": state.world_size() or 1,
                 "partition": partition, "credit_bytes": credit}
 
 
