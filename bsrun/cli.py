@@ -46,8 +46,9 @@ def cli():
 
     \b
       bsrun -np 4 python train.py ...                  bsrun's own launcher
-      bsrun torchrun --nproc-per-node 4 train.py ...   prefix an existing launch
+      bsrun torchrun --nproc-per-node 4 train.py ...   prefix any existing launch
       bsrun horovodrun -np 4 python train.py ...
+      bsrun accelerate launch ... / bash run.sh / python main.py   (run as given)
       bsrun COMMAND --help                             run, profile, tune, bench
     """
 
@@ -56,7 +57,9 @@ def launch_options(f):
     """The options every launching command shares (run, profile, tune): one per knob
     (config.KNOBS; its value, unparsed, under the knob's name), then the launch's own."""
     options = [
-        click.option("-np", "--nproc", type=int, default=None, help="number of local workers (bsrun starts them)"),
+        click.option("-np", "--nproc", type=int, default=None,
+                     help="number of local workers bsrun starts itself (with `python ...`); without it, "
+                          "the command runs as given"),
         *(click.option(knob.flag, knob.name, default=None, help=knob.help) for knob in KNOBS),
         click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
                      default=None, help="TOML file of knobs (partition = \"4MB\", ...)"),

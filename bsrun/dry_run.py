@@ -39,7 +39,7 @@ def print_dry_run(plan, as_json: bool) -> None:
         table.add_row(name, str(value), source)
     console.print(table)
     for spec in specs:
-        who = spec.name if plan.kind == "local" else "launcher"
+        who = spec.name if plan.kind == "local" else "command (run as given; its workers are found where they build DDP)"
         console.print(f"[bold]{who}[/bold]: {shlex.join(spec.argv)}", highlight=False)
         for k, v in _visible(plan, spec.env).items():
             console.print(f"    {k}={v}", highlight=False, markup=False, soft_wrap=True)

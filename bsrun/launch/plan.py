@@ -1,10 +1,12 @@
 """LaunchPlan: everything a launch needs, decided before any process starts.
 
 Two kinds of launch:
-- "local": bsrun starts N Python workers itself with the torchrun variables (`-np N`,
-  or a bare `python ...` as one worker);
-- "wrap": a foreign launcher (torchrun, horovodrun, mpirun) runs as given, and the
-  injection reaches its workers through the environment.
+- "local": `-np N python ...`: bsrun starts N Python workers itself with torchrun's
+  variables (and Horovod's rendezvous, emulated hosts, parameter servers);
+- "wrap": any other command (`python train.py`, torchrun, accelerate, deepspeed, a shell
+  script) runs exactly as it would without bsrun, with no rank variables of bsrun's; the
+  injection reaches every Python process below it through the environment, and a process
+  becomes a worker where it builds a DDP model (bsrun/inject/bootstrap.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Mapping
 
 import bsrun
 from bsrun.config import (ACTIVE_ENV, LAUNCHER_PID_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV,
-                          PS_SERVERS_ENV, PS_WORKERS_ENV, REPORT_DIR_ENV, SchedConfig)
+                          PS_SERVERS_ENV, PS_WORKERS_ENV, REPORT_DIR_ENV, WORKER_PID_ENV, SchedConfig)
 from bsrun.errors import BsrunError
 from bsrun.inject import SITE_DIR
 from bsrun.launch.workers import WorkerSpec
@@ -41,7 +43,7 @@ def is_python(executable: str) -> bool:
 
 
 def classify(command: list[str]) -> str:
-    """'python' for a Python command, 'launcher' for a foreign launcher; else a clear error."""
+    """'python' for a Python command, 'launcher' for a known launcher, 'command' for any other."""
     if not command:
         raise BsrunError("no command given; try: bsrun -np 2 python train.py")
     exe = os.path.basename(command[0])
@@ -51,9 +53,14 @@ def classify(command: list[str]) -> str:
         if command[1:3] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"]):
             return "launcher"
         return "python"
-    raise BsrunError(f"'{command[0]}' is neither Python nor a known launcher "
-                     f"({', '.join(FOREIGN_LAUNCHERS)}); bsrun runs `python SCRIPT.py`, "
-                     f"`python -m MODULE` or a launcher")
+    return "command"
+
+
+def check_command(command: list[str]) -> None:
+    """The one refusal of a wrapped command: one that does not exist (nothing is started)."""
+    if shutil.which(command[0]) is None:
+        where = "" if os.sep in command[0] else " on PATH"
+        raise BsrunError(f"command '{command[0]}' not found{where}; nothing was started", exit_code=127)
 
 
 def check_python_command(command: list[str]) -> None:
@@ -91,7 +98,7 @@ class NetworkSpec:
 class LaunchPlan:
     command: list[str]
     kind: str                      # "local" or "wrap"
-    nproc: int                     # workers bsrun starts (local), or 1 for the wrapped launcher
+    nproc: int                     # workers bsrun starts (local), or 1 for the wrapped command
     config: SchedConfig
     grace: float = 10.0
     master_addr: str = "127.0.0.1"
@@ -117,6 +124,7 @@ class LaunchPlan:
         env[ACTIVE_ENV] = "1"
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         env[PACKAGE_ROOT_ENV] = str(PACKAGE_ROOT)
+        env.pop(WORKER_PID_ENV, None)  # a fresh launch: no process below it is a worker's child yet
         if self.report_dir is not None:
             env[REPORT_DIR_ENV] = str(self.report_dir)
         env.update(self.config.to_env())
@@ -177,20 +185,23 @@ class LaunchPlan:
 
 def make_plan(command: list[str], nproc: int | None, config: SchedConfig,
               grace: float = 10.0, network: NetworkSpec | None = None) -> LaunchPlan:
+    """`-np N python ...`: a local launch; any other command: a wrap, run as given."""
     kind = classify(command)
     if nproc is not None and nproc < 1:
         raise BsrunError(f"-np must be at least 1, got {nproc}")
-    if kind == "launcher":
+    if kind != "python" or nproc is None:
+        own = "-np N python ...` (bsrun's own launcher"
         if nproc is not None:
-            raise BsrunError(f"-np goes with `python ...`; {os.path.basename(command[0])} "
-                             f"takes its own process count")
+            what = "takes its own process count" if kind == "launcher" else "is not Python"
+            raise BsrunError(f"-np goes with `python ...`; {os.path.basename(command[0])} {what}")
         if network is not None:
-            raise BsrunError("--emulate-bandwidth goes with `-np N python ...` (bsrun's own launcher)")
+            raise BsrunError(f"--emulate-bandwidth goes with `{own}, one emulated host per rank)")
         if config.arch == "ps":
-            raise BsrunError("--arch ps goes with `-np N python ...`: bsrun starts the servers itself")
+            raise BsrunError(f"--arch ps goes with `{own}: bsrun starts the servers itself)")
+        check_command(command)
         return LaunchPlan(command, "wrap", 1, config, grace)
     if config.arch == "ps" and config.enabled is False:
         raise BsrunError("--arch ps schedules through parameter servers; it cannot go with --no-schedule")
     check_python_command(command)
-    return LaunchPlan(command, "local", nproc or 1, config, grace, master_port=free_port(), network=network,
+    return LaunchPlan(command, "local", nproc, config, grace, master_port=free_port(), network=network,
                       ps_port=free_port() if config.arch == "ps" else 0)

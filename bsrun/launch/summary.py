@@ -16,21 +16,34 @@ RUNS_DIR = Path(".bsrun") / "runs"
 LAST_RUN = Path(".bsrun") / "last-run.json"
 
 
+MODES = ("unknown", "off", "fallback", "scheduled")  # how much a rank did under bsrun, least first
+
+
+def _weight(report: dict) -> tuple:
+    mode = report.get("mode")
+    return MODES.index(mode) if mode in MODES else 0, report.get("steps") or 0
+
+
 def read_rank_reports(report_dir: Path) -> dict[int, dict]:
+    """Every worker's report (`rank-R-PID.json`), whoever started it; of two processes
+    that claimed one rank, the one that did the most."""
     reports = {}
     for path in sorted(Path(report_dir).glob("rank-*.json")):
         try:
             report = json.loads(path.read_text())
-            reports[int(report["rank"])] = report
-        except (ValueError, KeyError, OSError):
+            rank = int(report["rank"])
+        except (ValueError, KeyError, TypeError, OSError):
             continue  # a rank killed mid-write leaves no valid report; its exit code still counts
+        if rank not in reports or _weight(report) > _weight(reports[rank]):
+            reports[rank] = report
     return reports
 
 
 def build_summary(command, config, kind, exit_code, exit_codes, reports, started, ended, pids=None) -> dict:
-    """`pids`: the launcher's own record of its workers, for the ranks that wrote no report."""
+    """`pids`: the launcher's own record of its workers, for the ranks that wrote no report.
+    A local launch lists the ranks it started; a wrap, the workers that reported."""
     ranks = []
-    for rank in sorted(set(exit_codes) | set(reports)):
+    for rank in sorted((set(exit_codes) if kind == "local" else set()) | set(reports)):
         entry = {"rank": rank, **reports.get(rank, {"mode": "unknown"})}
         if kind == "local":
             entry["exit_code"] = exit_codes.get(rank)
@@ -83,7 +96,10 @@ def _human_bytes(n: float) -> str:
 def one_line(summary: dict) -> str:
     ranks = summary["ranks"]
     modes = rank_modes(summary)
-    head = f"bsrun: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {summary['duration_s']:.1f} s, mode {'/'.join(modes) or 'unknown'}"
+    if not ranks:
+        return (f"bsrun: no data-parallel worker (no process built a DDP model or an hvd.DistributedOptimizer), "
+                f"{summary['duration_s']:.1f} s, exit code {summary['exit_code']} (summary in {LAST_RUN})")
+    head = f"bsrun: {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {summary['duration_s']:.1f} s, mode {'/'.join(modes)}"
     reported = [r for r in ranks if "steps" in r and r.get("mode") != "off"]
     if reported:
         r0 = min(reported, key=lambda r: r["rank"])
