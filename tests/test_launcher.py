@@ -110,10 +110,19 @@ def test_an_existing_user_sitecustomize_still_runs(workdir):
     assert env["bsrun_bootstrapped"]
 
 
-def test_a_single_python_process_runs_as_rank_0_of_1(workdir):
-    run_bsrun(["python", WORKERS / "envdump.py", workdir], cwd=workdir, check=True)
+def test_np_1_runs_one_python_process_as_rank_0_of_1(workdir):
+    run_bsrun(["-np", 1, "python", WORKERS / "envdump.py", workdir], cwd=workdir, check=True)
     env = read_env(workdir, 0)
     assert env["WORLD_SIZE"] == "1" and env["bsrun_bootstrapped"]
+    assert [r["rank"] for r in last_run(workdir)["ranks"]] == [0]
+
+
+def test_a_bare_python_command_is_wrapped_not_ranked(workdir):
+    """Without -np, `python ...` is run as given (tests/test_any_command.py has the rest)."""
+    run_bsrun(["python", WORKERS / "envdump.py", workdir], cwd=workdir, check=True)
+    env = read_env(workdir, None)
+    assert env["RANK"] is None and env["WORLD_SIZE"] is None and env["bsrun_bootstrapped"]
+    assert last_run(workdir)["kind"] == "wrap"
 
 
 BAD_INPUT = [
@@ -124,7 +133,10 @@ BAD_INPUT = [
     (["-np", 0, "python", "x.py"], "-np must be at least 1, got 0"),
     (["--frobnicate", "python", "x.py"], "No such option"),
     (["-np", 2, "python", "does-not-exist.py"], "script 'does-not-exist.py' not found"),
-    (["-np", 2, "ls", "-l"], "'ls' is neither Python nor a known launcher"),
+    (["-np", 2, "ls", "-l"], "-np goes with `python ...`; ls is not Python"),
+    (["-np", 2, "torchrun", "x.py"], "-np goes with `python ...`; torchrun takes its own process count"),
+    (["--emulate-bandwidth", "1gbit", "python", "x.py"], "--emulate-bandwidth goes with `-np N python ...`"),
+    (["--arch", "ps", "bash", "x.sh"], "--arch ps goes with `-np N python ...`"),
     (["--config", "missing.toml", "-np", 2, "python", "x.py"], "cannot read --config missing.toml"),
 ]
 

@@ -93,15 +93,17 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [["-np", 2, "python"], ["torchrun", "--standalone", "--nproc-per-node", 2]],
-                         ids=["bsrun-np", "bsrun-torchrun"])
+@pytest.mark.parametrize("launch", [["-np", 2, "python"], ["torchrun", "--standalone", "--nproc-per-node", 2],
+                                    ["python", WORKERS / "any_spawn.py", "--sleep"]],
+                         ids=["bsrun-np", "bsrun-torchrun", "bsrun-python-mp-spawn"])
 def test_a_launcher_killed_outright_leaves_no_worker_behind(workdir, launch):
     """SIGKILL (or the OOM killer) gives the launcher no chance to stop its workers: they
     notice it is gone and end themselves and what they started, also under a foreign
-    launcher (torchrun) that would otherwise keep them."""
+    launcher (torchrun) that would otherwise keep them, and when they are workers because
+    they built a DDP model in processes that torch.multiprocessing.spawn started."""
     script = workdir / "sleeper.py"
     script.write_text(SLEEPER)
-    proc = start_bsrun([*launch, script], cwd=workdir)
+    proc = start_bsrun([*launch, workdir if "--sleep" in launch else script], cwd=workdir)
     try:
         deadline = time.monotonic() + 60
         while not all((workdir / f"pid-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
