@@ -26,12 +26,18 @@ def test_no_schedule_leaves_ddp_exactly_as_it_is(workdir):
     assert all(r["steps"] == 0 and r["partitions"] == 0 for r in summary["ranks"])
 
 
-def test_find_unused_parameters_falls_back_to_plain_ddp_and_says_why(workdir):
-    kind, summary, proc = run(workdir, "--find-unused")
+def test_find_unused_parameters_is_scheduled(workdir):
+    kind, summary, _ = run(workdir, "--find-unused")
+    assert kind["class"] == "bsrun.inject.ddp.ScheduledDDP"
+    assert {r["mode"] for r in summary["ranks"]} == {"scheduled"}
+
+
+def test_skip_all_reduce_unused_params_falls_back_to_plain_ddp_and_says_why(workdir):
+    kind, summary, proc = run(workdir, "--skip-unused")
     assert kind["class"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert {r["mode"] for r in summary["ranks"]} == {"fallback"}
-    assert "find_unused_parameters=True" in proc.stderr
-    assert any("find_unused_parameters=True" in n for n in summary["ranks"][0]["notes"])
+    assert "skip_all_reduce_unused_params" in proc.stderr
+    assert any("skip_all_reduce_unused_params" in n for n in summary["ranks"][0]["notes"])
 
 
 def test_a_script_without_ddp_is_left_alone(workdir):

@@ -1,6 +1,7 @@
 """Reports which DDP class the script got and trains a few steps.
 
---find-unused builds DDP(find_unused_parameters=True); --no-ddp trains without DDP.
+--find-unused builds DDP(find_unused_parameters=True); --skip-unused adds
+skip_all_reduce_unused_params=True (which bsrun leaves to plain DDP); --no-ddp trains without DDP.
 """
 import json
 import sys
@@ -16,7 +17,9 @@ net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 if "--no-ddp" in sys.argv:
     model = net
 else:
-    model = DistributedDataParallel(net, find_unused_parameters="--find-unused" in sys.argv)
+    skip = "--skip-unused" in sys.argv
+    model = DistributedDataParallel(net, find_unused_parameters="--find-unused" in sys.argv or skip,
+                                    skip_all_reduce_unused_params=skip)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(3):
     opt.zero_grad()

@@ -2,6 +2,9 @@
 which every rank stops in native code that holds the GIL (hold-gil).
 
     python hang_or_die.py hang|die|hold-gil [--find-unused]
+
+--find-unused builds DDP(find_unused_parameters=True, skip_all_reduce_unused_params=True),
+which bsrun leaves to plain DDP (its own reducer).
 """
 
 import ctypes
@@ -22,8 +25,9 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    plain = "--find-unused" in sys.argv  # skip_all_reduce_unused_params: bsrun leaves it to plain DDP
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10)),
-                find_unused_parameters="--find-unused" in sys.argv)
+                find_unused_parameters=plain, skip_all_reduce_unused_params=plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(100):
         opt.zero_grad()
