@@ -107,6 +107,18 @@ def start(rank: int) -> None:
     _ensure_thread()
 
 
+def _forget_in_forked_child() -> None:
+    """A forked child has no beat thread, and maybe a lock its parent's thread held: start afresh."""
+    global _LOCK, _STOPPED
+    _LOCK, _STOPPED = threading.Lock(), threading.Event()
+    _THREAD.clear()
+    _FILE.clear()
+    _RANK.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 def stop() -> None:
     """No more beats, and the file goes: this rank is exiting, not hung."""
     with _LOCK:

@@ -39,9 +39,12 @@ def _describe_failure(plan: LaunchPlan, result: GroupResult, reports: dict, watc
     if result.failed_service is not None:
         return f"{result.failed_service} failed with exit code {result.service_code}; the workers were stopped"
     if result.failed_rank is not None:
-        who = f"rank {result.failed_rank}" if plan.kind == "local" else f"'{plan.command[0]}'"
-        why = reports.get(result.failed_rank, {}).get("error") if plan.kind == "local" else None
-        return (f"{who} failed with exit code {result.exit_code}" + (f" ({why})" if why else "")
+        if plan.kind != "local":  # the command itself; its workers' errors are in its own output
+            errors = [f"rank {r}: {rep['error']}" for r, rep in sorted(reports.items()) if rep.get("error")]
+            return (f"'{plan.command[0]}' failed with exit code {result.exit_code}"
+                    + (f" ({errors[0]})" if errors else ""))
+        why = reports.get(result.failed_rank, {}).get("error")
+        return (f"rank {result.failed_rank} failed with exit code {result.exit_code}" + (f" ({why})" if why else "")
                 + "; the other workers were stopped")
     if result.interrupted_by is not None:
         return f"stopped by {signal.Signals(result.interrupted_by).name}; all workers were stopped"
