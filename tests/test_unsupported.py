@@ -11,7 +11,7 @@ SCRIPT = WORKERS / "odd_models.py"
 # case -> (mode bsrun must report, the line it must print once; None: no line)
 CASES = {
     "sparse": ("fallback", "not scheduling this model (sparse gradients); it runs as plain DDP"),
-    "find-unused": ("fallback", "not scheduling this model (find_unused_parameters=True); it runs as plain DDP"),
+    "find-unused": ("scheduled", None),  # DDP's unused-parameter semantics (tests/test_ddp_semantics.py)
     "mixed-dtypes": ("scheduled", None),
     "shared": ("scheduled", None),
     "twice": ("scheduled", None),
@@ -46,7 +46,7 @@ def test_a_model_that_fell_back_is_still_an_instance_of_ddp(workdir):
     code = ("import torch, torch.distributed as dist\n"
             "from torch.nn.parallel import DistributedDataParallel as DDP\n"
             "dist.init_process_group('gloo')\n"
-            "m = DDP(torch.nn.Linear(2, 2), find_unused_parameters=True)\n"
+            "m = DDP(torch.nn.Linear(2, 2), find_unused_parameters=True, skip_all_reduce_unused_params=True)\n"
             "assert isinstance(m, DDP) and issubclass(type(m), DDP), type(m)\n"
             "assert not isinstance(torch.nn.Linear(2, 2), DDP)\n"
             "print('ok', type(m).__name__)\n")
