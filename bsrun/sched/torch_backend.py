@@ -6,6 +6,13 @@ the training thread's collectives (agreeing on the order, broadcasting buffers).
 negotiation waits only behind the network's queue, never behind megabytes of gradients
 on the same connection, and no two threads ever share a group. The result is averaged in
 place (sum / world size), as DDP does.
+
+A transport may be given a `reduce` callable before its backend is made (a DDP comm hook,
+adapted by bsrun/inject/comm_hooks.py): `reduce(partition, data, group, last)` is called
+on the control thread in place of the all-reduce and returns a torch.futures.Future of
+the averaged flat tensor; `last` says this is the round's last partition to be posted.
+It must issue its collectives only on `group` (the data group), so that they stay in the
+agreed order; the finisher waits for the future and copies its value into the gradients.
 """
 
 from __future__ import annotations
@@ -22,23 +29,35 @@ from bsrun.sched.buffers import PartitionBuffers
 class TorchDistBackend(PartitionBuffers):
     in_order = True  # one process group runs its collectives in the order they were posted
 
-    def __init__(self, data_group, negotiation_group, partitions, grad_of, dtypes):
+    def __init__(self, data_group, negotiation_group, partitions, grad_of, dtypes, reduce=None):
         super().__init__(partitions, grad_of, dtypes)
         self.data_group = data_group
         self.negotiation_group = negotiation_group
         self.world_size = dist.get_world_size(data_group)
+        self.reduce = reduce
+        self._posted = 0  # partitions posted so far (each round posts every partition once)
 
     def post(self, pid: int):
         data = self.pack(pid)
-        return pid, data, dist.all_reduce(data, group=self.data_group, async_op=True)
+        if self.reduce is None:
+            return pid, data, dist.all_reduce(data, group=self.data_group, async_op=True)
+        self._posted += 1
+        last = self._posted % len(self.partitions) == 0
+        return pid, data, self.reduce(self.partitions[pid], data, self.data_group, last)
 
     def test(self, handle) -> bool:
-        return handle[2].is_completed()
+        work = handle[2]
+        return work.done() if self.reduce is not None else work.is_completed()
 
     def wait(self, handle) -> None:
         pid, data, work = handle
-        work.wait()
-        data.div_(self.world_size)
+        if self.reduce is None:
+            work.wait()
+            data.div_(self.world_size)
+        else:
+            result = work.wait()  # a hook's own averaging; its error is raised here
+            if result is not data:
+                data.copy_(result.view(-1))
         self.unpack(pid)
 
     def negotiate(self, values: Sequence[int]) -> list[int]:
@@ -51,6 +70,7 @@ class TorchTransport:
     """A model's ranks over three gloo groups of their own (see the module's docstring)."""
 
     def __init__(self, ranks: list[int], timeout: timedelta):
+        self.reduce = None  # see the module's docstring; set before the first backward pass
         self.data_group, self.negotiation_group, self.control_group = (
             dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
             for _ in range(3))
@@ -61,7 +81,8 @@ class TorchTransport:
         return tensor.tolist()
 
     def backend(self, partitions, grad_of, dtypes) -> TorchDistBackend:
-        return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes)
+        return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes,
+                                self.reduce)
 
     def credit(self, credit_bytes: int) -> int:
         return credit_bytes
