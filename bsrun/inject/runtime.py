@@ -325,13 +325,13 @@ class ModelRuntime:
 
     def optimizer_step(self, optimizer, closure, number: int):
         """Replaces step() number `number`: update what is ready, leave the rest pending.
-        A closure of an elementwise optimizer runs first, as torch's optimizers run it (its
-        forward settles layer by layer, its backward is scheduled); its loss is returned.
-        The closure is the script's code: it runs outside bsrun's `internal`, trapped reads
-        stay guarded."""
-        reason = self._before_step(optimizer, number)
+        A closure of an elementwise optimizer runs first, as torch's optimizers run it, outside
+        bsrun's `internal` (the script's reads stay trapped): its forward settles layer by
+        layer, its backward is scheduled, and step() returns its loss."""
+        reason = self._why_at_once(optimizer)
         if reason is not None:
             state.say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")
+            self._before_update(optimizer, number)
             self.flush()
             if closure is None:
                 return optim.full_step(optimizer)
@@ -346,22 +346,26 @@ class ModelRuntime:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._before_update(optimizer, number)
         self._step_per_parameter(optimizer)
         return loss
 
     @trap.internal
-    def _before_step(self, optimizer, number: int) -> str | None:
-        """Settle what this step needs settled, check the replicas; why it cannot go per
-        parameter, or None."""
+    def _why_at_once(self, optimizer) -> str | None:
+        """Why this step cannot go per parameter, or None."""
         if self.passes_per_sync > 1:
             self.force_accumulated()
+        if compiled.inside_compiled_call():
+            return "a step inside a compiled call"
+        return optim.why_not_elementwise(optimizer)
+
+    @trap.internal
+    def _before_update(self, optimizer, number: int) -> None:
+        """This optimizer's last updates applied (a closure's forward applied most of them
+        layer by layer), then the replica check of step `number - 1`."""
         mine = [i for g in optimizer.param_groups for p in g["params"] if (i := self.index.get(id(p))) is not None]
         self.settle([i for i in mine if i in self.pending])
         self.replicas.before_step(number, mine, self.params)
-        reason = optim.why_not_elementwise(optimizer)
-        if reason is None and compiled.inside_compiled_call():
-            reason = "a step inside a compiled call"
-        return reason
 
     @trap.internal
     def _step_per_parameter(self, optimizer) -> None:
@@ -383,18 +387,18 @@ class ModelRuntime:
     @trap.internal
     def zero_grad(self, params, set_to_none: bool) -> None:
         """Zero now what is settled; what is still in flight is zeroed right after its update."""
-        settled = []
+        now = []
         with self.cv:
             for p in params:
                 i = self.index.get(id(p))
                 if i is not None and (self.in_flight(i) or i in self.pending):
                     self.deferred_zero[i] = set_to_none
                 else:
-                    if i is not None:
-                        self._write_back([i])
-                    optim.zero_param_grad(p, set_to_none)
-                    if i is not None:
-                        settled.append(i)
+                    now.append((i, p))
+        settled = [i for i, _ in now if i is not None]
+        self._write_back(settled)  # outside the lock: it may wait for the used map
+        for _, p in now:
+            optim.zero_param_grad(p, set_to_none)
         self._release(settled)
 
     def counters(self) -> dict:
