@@ -89,6 +89,29 @@ def test_join_with_find_unused_parameters(workdir):
 
 
 @pytest.mark.slow
+def test_join_throw_on_early_termination(workdir):
+    """join(throw_on_early_termination=True): rank 0's 4th forward and rank 1's exit from
+    the context raise Join's RuntimeError on both ranks, after the same 3 steps as DDP."""
+    plain, sched, _ = plain_and_scheduled(workdir, "semantics_join.py", ["--how", "method", "--throw"])
+    for r in (0, 1):
+        assert plain[r]["raised"] and sched[r]["raised"], f"rank {r} did not raise Join's error"
+        assert len(sched[r]["losses"]) == 3
+
+
+@pytest.mark.slow
+def test_join_dividing_by_the_ranks_not_joined_is_plain_ddp(workdir):
+    """join(divide_by_initial_world_size=False) divides by the ranks not joined, which bsrun's
+    rounds do not: called before the first backward, the model becomes the real DDP, said
+    once (mode fallback), and the results are DDP's."""
+    plain, _ = run(workdir, "plain", PLAIN, "semantics_join.py", ["--divide-by-active"])
+    sched, summary = run(workdir, "sched", SCHED, "semantics_join.py", ["--divide-by-active"])
+    assert {r.get("mode") for r in summary["ranks"]} == {"fallback"}, summary["ranks"]
+    assert any("divide_by_initial_world_size=False" in n for n in summary["ranks"][0]["notes"])
+    for r in (0, 1):
+        assert_same_state(sched[r], plain[r], f"rank {r}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_optimizer_closure_keeps_the_overlap(workdir, opt):
     """step(closure) of an elementwise optimizer (Lightning's automatic optimisation): the

@@ -3,6 +3,8 @@
 --how context: `with Join([net]):`; --how method: `with net.join():`. A BatchNorm buffer
 (broadcast before each forward, under Join from the highest rank not joined), SGD with
 momentum. --find-unused adds a branch only rank 0 runs (find_unused_parameters=True).
+--throw: join(throw_on_early_termination=True); each rank catches Join's RuntimeError and
+saves what it says. --divide-by-active: join(divide_by_initial_world_size=False).
 Each rank saves its model, optimizer state, gradients and which are None to OUT-rankR.pt."""
 
 import argparse
@@ -36,6 +38,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--how", choices=("context", "method"), default="context")
     p.add_argument("--find-unused", action="store_true")
+    p.add_argument("--throw", action="store_true")
+    p.add_argument("--divide-by-active", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -45,17 +49,24 @@ def main():
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     batches = [(torch.randn(8, 16, generator=data), torch.randint(0, 10, (8,), generator=data))
                for _ in range(5 if rank == 0 else 3)]
-    losses = []
-    with (Join([net]) if a.how == "context" else net.join()):
-        for x, y in batches:
-            opt.zero_grad()
-            loss = F.cross_entropy(net(x, branch=a.find_unused and rank == 0), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+    losses, raised = [], None
+    options = {"throw_on_early_termination": a.throw, "divide_by_initial_world_size": not a.divide_by_active}
+    try:
+        with (Join([net], **options) if a.how == "context" else net.join(**options)):
+            for x, y in batches:
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x, branch=a.find_unused and rank == 0), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    except RuntimeError as e:
+        if not a.throw:
+            raise
+        raised = "exhausted" in str(e)
     grads = {name: (None if q.grad is None else q.grad.clone()) for name, q in model.named_parameters()}
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "grads": grads,
-                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses},
+                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses,
+                "raised": raised},
                f"{a.out}-rank{rank}.pt")
     dist.destroy_process_group()
 
