@@ -21,6 +21,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
 from bsrun.inject import compiled, join, state
+from bsrun.inject.ddp_surface import DDPSurface
 from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.ps_backend import PSTransport
 from bsrun.sched.torch_backend import TorchTransport
@@ -73,7 +74,7 @@ class _AnyDDP(type(DistributedDataParallel)):
         return isinstance(sub, type) and DistributedDataParallel in sub.__mro__
 
 
-class ScheduledDDP(DistributedDataParallel, metaclass=_AnyDDP):
+class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
     def __init__(self, *args, **kwargs):
         if dist.is_initialized():  # building a DDP model makes this process a worker (bootstrap.py)
             state.become_worker(dist.get_rank(), dist.get_world_size())
