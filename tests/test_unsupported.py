@@ -15,7 +15,9 @@ CASES = {
     "mixed-dtypes": ("scheduled", None),
     "shared": ("scheduled", None),
     "twice": ("scheduled", None),
-    "comm-hook": ("fallback", "not scheduling this model (a DDP comm hook: fp16_compress_hook); it runs as plain DDP"),
+    "comm-hook": ("scheduled", None),  # the hook runs on bsrun's partitions (tests/test_comm_hooks.py)
+    "comm-hook-other-group": ("fallback", "not scheduling this model (the DDP comm hook allreduce_hook on a "
+                                          "process group other than the model's); it runs as plain DDP"),
     "no-ddp": ("off", "nothing was scheduled: this script built no DistributedDataParallel model"),
 }
 

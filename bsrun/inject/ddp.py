@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join, _JoinConfig
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.config import SchedConfig
-from bsrun.inject import compiled, join, state
+from bsrun.inject import comm_hooks, compiled, join, state
 from bsrun.inject.ddp_surface import DDPSurface
 from bsrun.inject.runtime import ModelRuntime, why_not_schedulable
 from bsrun.sched.ps_backend import PSTransport
@@ -177,24 +177,36 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, hook_state, hook):
-        """bsrun does not run DDP comm hooks on its partitions yet: registered before the model's
-        first backward pass (as DDP's documentation asks), the model becomes the real DDP, said
-        once; afterwards it cannot change any more and the hook is refused."""
+        """DDP's known hooks run on bsrun's partitions, on bsrun's data group in place of the
+        model's (bsrun/inject/comm_hooks.py); any other hook makes the model the real DDP,
+        said once. Either only before the model's first backward pass, as DDP asks."""
+        if self._comm_hooks:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        reason = (comm_hooks.why_not_scheduled(hook, hook_state, self.process_group)
+                  if isinstance(self._bsrun_transport, TorchTransport) else "a DDP comm hook with --arch ps")
+        if reason is not None:
+            self._bsrun_become_plain(reason)
+            return self.register_comm_hook(hook_state, hook)
         if self._bsrun.layout is not None:
             raise RuntimeError("bsrun already schedules this model's gradients, so a DDP comm hook can "
                                "only be registered before its first backward pass; run with --no-schedule "
                                "to use it later")
-        self._become_plain_ddp(f"a DDP comm hook: {getattr(hook, '__name__', type(hook).__name__)}")
-        return self.register_comm_hook(hook_state, hook)
+        DistributedDataParallel._check_comm_hook(self, hook)  # DDP's own checks, DDP's errors
+        self._comm_hooks.append((hook, hook_state))
+        self._bsrun_transport.reduce = comm_hooks.ScheduledHook(hook, hook_state, self._bsrun.params)
 
     def _become_plain_ddp(self, reason: str) -> None:
-        """From here on exactly the DDP the script asked for (no round of bsrun's has begun)."""
+        """From here on exactly the DDP the script asked for (no round of bsrun's has begun),
+        with the comm hook it already registered."""
         self._bsrun.close()
         state.withdraw(self._bsrun)
         state.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
+        hooks = list(self.__dict__.get("_comm_hooks", ()))
         args, kwargs = self._bsrun_arguments
         DistributedDataParallel.__init__(self, *args, **kwargs)
         self.__class__ = DistributedDataParallel
+        for hook, hook_state in hooks:
+            self.register_comm_hook(hook_state, hook)
 
     def __getstate__(self):
         raise RuntimeError("a bsrun-scheduled DDP model cannot be pickled; save model.module "

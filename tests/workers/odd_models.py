@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -99,6 +99,10 @@ def build(case):
     if case == "comm-hook":
         model = DDP(Twice())
         model.register_comm_hook(None, fp16_compress_hook)
+        return model
+    if case == "comm-hook-other-group":  # a hook bsrun cannot move onto its own group
+        model = DDP(Twice())
+        model.register_comm_hook(dist.new_group([0, 1]), allreduce_hook)
         return model
     if case == "no-ddp":
         return Twice()

@@ -1,0 +1,98 @@
+"""DDP comm hooks run on bsrun's partitions, and DDP's surface that Lightning and accelerate
+touch: each case against plain DDP (`--no-schedule`) on the saved parameters, and the
+model really scheduled (mode scheduled, partitions > 0)."""
+
+import pytest
+import torch
+
+from conftest import WORKERS, assert_same_state, last_run, run_bsrun
+
+HOOKS = WORKERS / "hooks_train.py"
+# small partitions: fused ones, a matrix cut into row blocks, several partitions a round
+PARTITION = ["--partition", "4KB"]
+
+
+def train(workdir, case, flags, script=HOOKS, timeout=180):
+    """`bsrun FLAGS -np 2 python SCRIPT [CASE] OUT`: rank 0's saved state, the run summary, stderr."""
+    out = workdir / f"{case}-{'plain' if '--no-schedule' in flags else 'bsrun'}.pt"
+    args = [case, out] if script == HOOKS else [out]
+    proc = run_bsrun([*flags, "-np", 2, "python", script, *args], cwd=workdir, check=True, timeout=timeout)
+    return torch.load(out), last_run(workdir), proc.stderr
+
+
+def assert_scheduled(run, stderr):
+    assert {r["mode"] for r in run["ranks"]} == {"scheduled"}, stderr
+    assert all(r["partitions"] > 0 for r in run["ranks"]), run
+    assert "not scheduling" not in stderr
+
+
+def max_diff(a, b) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if isinstance(a[k], torch.Tensor))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["allreduce", "allreduce-group", "fp16", "fp16-wrapper", "builtin-fp16",
+                                  "powersgd-full"])
+def test_hook_runs_scheduled_and_equals_plain_ddp_with_it(workdir, case):
+    """allreduce is DDP's own averaging; fp16 compression is elementwise, so no layout changes
+    it; PowerSGD at full rank is exact up to rounding and runs its whole machinery (error
+    feedback, per-bucket memories by index(), iterations counted by is_last())."""
+    plain, _, _ = train(workdir, case, ["--no-schedule"])
+    sched, run, stderr = train(workdir, case, PARTITION)
+    assert_scheduled(run, stderr)
+    assert_same_state(sched, plain, atol=1e-6 if case == "powersgd-full" else 1e-8)
+
+
+@pytest.mark.slow
+def test_fp16_hook_really_compresses(workdir):
+    exact, _, _ = train(workdir, "allreduce", PARTITION)
+    fp16, _, _ = train(workdir, "fp16", PARTITION)
+    assert max_diff(fp16, exact) > 1e-7
+
+
+@pytest.mark.slow
+def test_powersgd_differs_from_plain_ddp_by_no_more_than_its_own_noise(workdir):
+    """Low-rank PowerSGD depends on how gradients are bucketed (its random start is drawn per
+    bucket). Plain DDP with PowerSGD at another bucket_cap_mb hangs on gloo (its callbacks
+    issue collectives from two threads), so the measure of its noise is plain DDP with
+    another random seed."""
+    plain, _, _ = train(workdir, "powersgd", ["--no-schedule"])
+    reseeded, _, _ = train(workdir, "powersgd-seed", ["--no-schedule"])
+    exact, _, _ = train(workdir, "allreduce", ["--no-schedule"])
+    sched, run, stderr = train(workdir, "powersgd", PARTITION)
+    assert_scheduled(run, stderr)
+    noise = max_diff(reseeded, plain)
+    assert max_diff(plain, exact) > 1e-4  # compression ran
+    assert max_diff(sched, plain) <= 2 * noise, (max_diff(sched, plain), noise)
+    assert sched["iter"] == plain["iter"] == 10  # is_last() once a round
+    assert torch.equal(sched["random"], plain["random"])  # the script's random stream untouched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, line", [
+    ("other-group", "not scheduling this model (the DDP comm hook allreduce_hook on a process group other "
+                    "than the model's); it runs as plain DDP"),
+    ("unknown", "not scheduling this model (a DDP comm hook bsrun does not know: my_hook); it runs as plain DDP"),
+])
+def test_hook_bsrun_cannot_run_keeps_the_real_ddp(workdir, case, line):
+    plain, _, _ = train(workdir, case, ["--no-schedule"])
+    sched, run, stderr = train(workdir, case, PARTITION)
+    assert {r["mode"] for r in run["ranks"]} == {"fallback"}, stderr
+    assert stderr.count(line) == 1, stderr
+    assert_same_state(sched, plain)
+
+
+@pytest.mark.slow
+def test_ddp_surface_as_lightning_and_accelerate_touch_it(workdir):
+    pytest.importorskip("lightning")
+    plain, _, _ = train(workdir, "surface", ["--no-schedule"], script=WORKERS / "hooks_surface.py", timeout=300)
+    sched, run, stderr = train(workdir, "surface", [], script=WORKERS / "hooks_surface.py", timeout=300)
+    assert_scheduled(run, stderr)
+    surface = sched.pop("surface")
+    plain_surface = plain.pop("surface")
+    assert_same_state(sched, plain)  # the sync re-armed by reducer.prepare_for_backward happened
+    for when in ("before", "after"):
+        assert surface[when] == {**plain_surface[when], "logged_static_graph": None}
+    assert surface["before"]["gradient_as_bucket_view"] is True and surface["before"]["static_graph"] is False
+    assert surface["static"] and surface["static_logged"] == 1
+    assert surface["other_static"] and surface["warned_twice"]
