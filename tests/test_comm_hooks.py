@@ -31,8 +31,8 @@ def max_diff(a, b) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["allreduce", "allreduce-group", "fp16", "fp16-wrapper", "builtin-fp16",
-                                  "powersgd-full"])
+@pytest.mark.parametrize("case", ["allreduce", "allreduce-group", "fp16", "accelerate-fp16", "fp16-wrapper",
+                                  "builtin-fp16", "powersgd-full"])
 def test_hook_runs_scheduled_and_equals_plain_ddp_with_it(workdir, case):
     """allreduce is DDP's own averaging; fp16 compression is elementwise, so no layout changes
     it; PowerSGD at full rank is exact up to rounding and runs its whole machinery (error

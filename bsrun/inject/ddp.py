@@ -176,24 +176,24 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         finally:
             self.require_backward_grad_sync = previous
 
-    def register_comm_hook(self, hook_state, hook):
+    def register_comm_hook(self, state, hook):  # DDP's names: Lightning and accelerate pass them as keywords
         """DDP's known hooks run on bsrun's partitions, on bsrun's data group in place of the
         model's (bsrun/inject/comm_hooks.py); any other hook makes the model the real DDP,
         said once. Either only before the model's first backward pass, as DDP asks."""
         if self._comm_hooks:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        reason = (comm_hooks.why_not_scheduled(hook, hook_state, self.process_group)
+        reason = (comm_hooks.why_not_scheduled(hook, state, self.process_group)
                   if isinstance(self._bsrun_transport, TorchTransport) else "a DDP comm hook with --arch ps")
         if reason is not None:
             self._bsrun_become_plain(reason)
-            return self.register_comm_hook(hook_state, hook)
+            return self.register_comm_hook(state, hook)
         if self._bsrun.layout is not None:
             raise RuntimeError("bsrun already schedules this model's gradients, so a DDP comm hook can "
                                "only be registered before its first backward pass; run with --no-schedule "
                                "to use it later")
         DistributedDataParallel._check_comm_hook(self, hook)  # DDP's own checks, DDP's errors
-        self._comm_hooks.append((hook, hook_state))
-        self._bsrun_transport.reduce = comm_hooks.ScheduledHook(hook, hook_state, self._bsrun.params)
+        self._comm_hooks.append((hook, state))
+        self._bsrun_transport.reduce = comm_hooks.ScheduledHook(hook, state, self._bsrun.params)
 
     def _become_plain_ddp(self, reason: str) -> None:
         """From here on exactly the DDP the script asked for (no round of bsrun's has begun),

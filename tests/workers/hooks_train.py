@@ -44,6 +44,9 @@ def register(model, case):
         model.register_comm_hook(dist.group.WORLD, default.allreduce_hook)
     elif case == "fp16":
         model.register_comm_hook(None, default.fp16_compress_hook)
+    elif case == "accelerate-fp16":  # accelerate's own registration: keywords state= and hook=
+        from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+        DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16).register_comm_hook(model)
     elif case == "fp16-wrapper":
         model.register_comm_hook(None, default.fp16_compress_wrapper(default.allreduce_hook))
     elif case == "builtin-fp16":
@@ -55,7 +58,7 @@ def register(model, case):
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=48 if full else 1, start_powerSGD_iter=3,
                                        min_compression_rate=1e-9 if full else 2, warm_start=not full,
                                        random_seed=1 if case == "powersgd-seed" else 0)
-        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        model.register_comm_hook(state=state, hook=powersgd.powerSGD_hook)  # as Lightning and accelerate
         return state
     elif case == "other-group":
         model.register_comm_hook(dist.new_group([0, 1]), default.allreduce_hook)
