@@ -96,3 +96,28 @@ def test_ddp_surface_as_lightning_and_accelerate_touch_it(workdir):
     assert surface["before"]["gradient_as_bucket_view"] is True and surface["before"]["static_graph"] is False
     assert surface["static"] and surface["static_logged"] == 1
     assert surface["other_static"] and surface["warned_twice"]
+
+
+def test_bucket_views_follow_each_piece_of_the_partition():
+    """gradients() are views of the buffer: whole tensors in their shape, a cut between rows
+    as those rows, any other cut flat; index() and is_last() as the backend gives them."""
+    from bsrun.inject.comm_hooks import ScheduledHook
+    from bsrun.sched.partition import TensorInfo, plan_partitions
+    params = [torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(3)),
+              torch.nn.Parameter(torch.zeros(5, 3))]
+    infos = [TensorInfo(p.numel(), 4, "torch.float32") for p in params]
+    parts = plan_partitions(infos, [0, 1, 2], 48)  # 12 floats: (6,4) in two row blocks, (3,), (5,3) cut as 8 + 7
+    hook = ScheduledHook(lambda s, b: None, None, params)
+    shapes = []
+    for part in parts:
+        data = torch.arange(sum(pc.stop - pc.start for pc in part.pieces), dtype=torch.float32)
+        bucket = hook._bucket(part, data, last=part.pid == len(parts) - 1)
+        assert bucket.index() == part.pid and bucket.buffer() is data
+        assert bucket.is_last() == (part.pid == len(parts) - 1)
+        for grad in bucket.gradients():
+            assert grad.data_ptr() >= data.data_ptr()  # a view, not a copy
+            grad.add_(100)
+        assert (data >= 100).all()
+        shapes.append([tuple(g.shape) for g in bucket.gradients()])
+        assert bucket.parameters() == [params[pc.tensor] for pc in part.pieces]
+    assert shapes == [[(3, 4)], [(3, 4)], [(3,)], [(8,)], [(7,)]]
