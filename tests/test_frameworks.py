@@ -38,6 +38,13 @@ the installed sources: transformers 5.24, accelerate 1.16, lightning 2.6.6):
   unless set) in an environment copied from rank 0's; LOCAL_RANK in the environment means
   "launched externally" (LightningEnvironment); under torchrun it uses TorchElasticEnvironment
   (RANK, LOCAL_RANK, WORLD_SIZE required, WORLD_SIZE must equal devices * num_nodes).
+
+Observed (a __getattribute__/__setattr__ spy on plain DDP, these scripts, outside torch):
+Trainer: train(), zero_grad(), parameters(), and Accelerate's no_sync() with accumulation;
+Accelerate: sets _is_accelerate_prepared, no_sync(), module/modules()/_modules (unwrap_model);
+Lightning automatic: static_graph and _get_ddp_logging_data() at teardown only; Lightning
+manual: require_backward_grad_sync (set and read), require_forward_param_sync (set),
+find_unused_parameters, static_graph, reducer (_rebuild_buckets(), prepare_for_backward()).
 """
 
 import json
