@@ -2,7 +2,9 @@
 zeroes the gradients, runs the forward and the backward and returns the loss.
 
 --opt sgd (momentum) / adam / lbfgs. Rank 0 saves its model, optimizer state, gradients
-and the losses step() returned to OUT-rank0.pt (and rank 1 to OUT-rank1.pt)."""
+and the losses step() returned to OUT-rank0.pt (and rank 1 to OUT-rank1.pt). Under bsrun
+it also records, after each step(), how many parameters were left with their update
+pending (the overlap with the next forward); 0 under plain DDP."""
 
 import argparse
 
@@ -12,6 +14,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from exact_common import mlp, start
+
+
+def pending_updates() -> int:
+    """Parameters whose update bsrun left for the next forward (0 when bsrun schedules nothing)."""
+    try:
+        from bsrun.inject import state
+    except ImportError:
+        return 0
+    return sum(len(model.pending) for model in list(state.MODELS))
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
@@ -31,7 +42,7 @@ def main():
     model = mlp(32, 3)
     net = DDP(model)
     opt = OPTIMIZERS[a.opt](net.parameters())
-    losses = []
+    losses, pending = [], []
     for _ in range(a.steps):
         x, y = torch.randn(16, 32, generator=data), torch.randint(0, 10, (16,), generator=data)
 
@@ -42,9 +53,11 @@ def main():
             return loss
 
         losses.append(opt.step(closure).item())
+        pending.append(pending_updates())
     grads = {name: (None if q.grad is None else q.grad.clone()) for name, q in model.named_parameters()}
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "grads": grads,
-                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses},
+                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses,
+                "pending": pending},
                f"{a.out}-rank{rank}.pt")
     dist.destroy_process_group()
 
