@@ -88,9 +88,14 @@ def test_join_with_uneven_inputs(workdir, how):
 
 
 @pytest.mark.slow
-def test_join_with_find_unused_parameters(workdir):
-    """Both at once: a branch only rank 0 runs, find_unused_parameters=True, uneven inputs."""
-    plain_and_scheduled(workdir, "semantics_join.py", ["--find-unused"])
+@pytest.mark.parametrize("batches", ["5,3", "2,5"])
+def test_join_with_find_unused_parameters(workdir, batches):
+    """Both at once: a branch only rank 0 runs, find_unused_parameters=True, uneven inputs.
+    2,5: rank 0, the branch's only user, joins first; DDP's joined rank keeps contributing
+    the used map of its last round (its reducer's map, all-reduced in place), so the branch
+    stays used: rank 1 gets zeros averaged into a created gradient and SGD's momentum keeps
+    moving it. bsrun must do the same."""
+    plain_and_scheduled(workdir, "semantics_join.py", ["--find-unused", "--batches", batches])
 
 
 @pytest.mark.slow

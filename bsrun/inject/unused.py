@@ -32,10 +32,8 @@ import torch.distributed as dist
 class UsedMap:
     """One round's used map: posted at once, waited for at the first write-back that needs it."""
 
-    def __init__(self, local: set[int], count: int, group):
-        self.counts = torch.zeros(count, dtype=torch.int32)
-        if local:
-            self.counts[sorted(local)] = 1
+    def __init__(self, counts: torch.Tensor, group):
+        self.counts = counts
         self.work = dist.all_reduce(self.counts, group=group, async_op=True)
         self.result: list[int] | None = None
 
@@ -68,7 +66,10 @@ class UnusedParameters:
         (`missing` are settled: no write-back of theirs is owed any more)."""
         if self.last is not None:
             self.last.wait()  # the previous round's, long finished: keep one in flight
-        used = self.last = UsedMap(self.local, self.count, self.group)
+        mine = torch.zeros(self.count, dtype=torch.int32)
+        if self.local:
+            mine[sorted(self.local)] = 1
+        used = self.last = UsedMap(mine, self.group)
         contributions = {}
         for i in missing:
             grad = params[i].grad
@@ -101,8 +102,13 @@ class UnusedParameters:
                     param.grad.copy_(averaged)
 
     def shadow(self) -> None:
-        """A joined rank's used map for a round of the others (Join): what it used since its
-        last synchronising backward, as DDP's joined rank contributes its local map."""
-        if self.last is not None:
+        """A joined rank's used map for a round of the others (Join). DDP's joined rank
+        all-reduces its reducer's device-side map in place, which holds the sum of the last
+        round it took part in: so what any rank used in that round stays used (its gradient
+        an average, of zeros if nobody uses it now) for every round it shadows."""
+        if self.last is None:
+            counts = torch.zeros(self.count, dtype=torch.int32)
+        else:
             self.last.wait()
-        self.last = UsedMap(self.local, self.count, self.group)
+            counts = self.last.counts.clone()
+        self.last = UsedMap(counts, self.group)

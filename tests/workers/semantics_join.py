@@ -1,4 +1,4 @@
-"""DDP with uneven inputs under Join: rank 0 has 5 batches, rank 1 has 3.
+"""DDP with uneven inputs under Join: rank 0 has 5 batches, rank 1 has 3 (--batches 5,3).
 
 --how context: `with Join([net]):`; --how method: `with net.join():`. A BatchNorm buffer
 (broadcast before each forward, under Join from the highest rank not joined), SGD with
@@ -39,6 +39,7 @@ def main():
     p.add_argument("--how", choices=("context", "method"), default="context")
     p.add_argument("--find-unused", action="store_true")
     p.add_argument("--throw", action="store_true")
+    p.add_argument("--batches", default="5,3", help="rank 0's and rank 1's numbers of batches")
     p.add_argument("--divide-by-active", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -48,7 +49,7 @@ def main():
     net = DDP(model, find_unused_parameters=a.find_unused)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     batches = [(torch.randn(8, 16, generator=data), torch.randint(0, 10, (8,), generator=data))
-               for _ in range(5 if rank == 0 else 3)]
+               for _ in range(int(a.batches.split(",")[rank]))]
     losses, raised = [], None
     options = {"throw_on_early_termination": a.throw, "divide_by_initial_world_size": not a.divide_by_active}
     try:
