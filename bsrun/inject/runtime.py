@@ -13,6 +13,7 @@ The life of a parameter in one round:
   next forward: the pre-hook of each module that owns it waits for exactly its own
   parameters, applies their pending update (and a deferred zero_grad), then the
   module runs. That is ByteScheduler's dependency proxy. A settled parameter is released.
+DDP's find_unused_parameters=True: bsrun/inject/unused.py; Join: bsrun/inject/join.py.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class ModelRuntime:
         self.error: BaseException | None = None
         self.sync_backward = True                 # set by each forward (no_sync turns it off)
         self.unused = UnusedParameters(unused_group, n) if unused_group is not None else None
+        self.writeback = self.unused.writeback if self.unused is not None else {}  # param -> owed (unused.py)
         self.first_use: list[int] = []
         self._first_use_seen: set[int] = set()
         self.layout: Layout | None = None
@@ -279,20 +281,19 @@ class ModelRuntime:
     def _release(self, indices) -> None:
         """Parameters with nothing owed are plain again (see bsrun/inject/trap.py)."""
         for i in indices:
-            if (trap.is_trapped(self.params[i]) and not self.in_flight(i) and not self.owes_update(i)
-                    and not (self.unused is not None and self.unused.owes(i))):
+            owed = self.in_flight(i) or self.owes_update(i) or i in self.writeback
+            if trap.is_trapped(self.params[i]) and not owed:
                 trap.release(self.params[i])
 
     def _write_back(self, indices) -> None:
         """find_unused_parameters: the gradients of locally unused parameters, as DDP leaves them."""
-        if self.unused is not None and self.unused.writeback:
+        if self.writeback:
             self.unused.write_back(self.params, indices)
 
     @trap.internal
     def settle(self, indices) -> None:
         """Make these parameters current: communication done, update applied, zero applied."""
-        if (not (self.pending or self.deferred_zero or (self.unused is not None and self.unused.writeback))
-                and not any(self.in_flight(i) for i in indices)):
+        if not (self.pending or self.deferred_zero or self.writeback) and not any(map(self.in_flight, indices)):
             self._release(indices)
             return
         recorder = state.recorder

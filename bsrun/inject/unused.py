@@ -83,9 +83,6 @@ class UnusedParameters:
         self.local = set()
         return contributions
 
-    def owes(self, i: int) -> bool:
-        return i in self.writeback
-
     def write_back(self, params, indices) -> None:
         """The averaged gradient into `.grad` of those used on some rank (their communication
         is finished); those used on no rank keep their `.grad` as it is."""
