@@ -150,12 +150,8 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
-        if not kwargs.get("divide_by_initial_world_size", True):
-            if self._bsrun.layout is not None:
-                raise RuntimeError("bsrun already schedules this model's gradients, dividing by the initial "
-                                   "world size: join(divide_by_initial_world_size=False) can only be used "
-                                   "before its first backward pass; run with --no-schedule to use it later")
-            self._become_plain_ddp("join(divide_by_initial_world_size=False)")
+        if not kwargs.get("divide_by_initial_world_size", True):  # bsrun's rounds divide by the world size
+            self._bsrun_become_plain("join(divide_by_initial_world_size=False)")
             return self.join_hook(**kwargs)
         return join.ScheduledJoinHook(self)
 
