@@ -38,7 +38,8 @@ def test_a_hung_rank_ends_the_job_naming_what_bsrun_waited_for(workdir):
 
 @pytest.mark.slow
 def test_a_hung_rank_of_a_plain_ddp_model_times_out_too(workdir):
-    """find_unused_parameters keeps DDP's own reducer: bsrun's --timeout is the group's."""
+    """A model bsrun leaves as plain DDP (skip_all_reduce_unused_params) keeps DDP's own reducer:
+    bsrun's --timeout is the group's."""
     proc, elapsed, summary = run(workdir, "hang", "--find-unused")
     assert proc.returncode == 1 and "bsrun: rank 0 failed with exit code 1" in proc.stderr
     assert elapsed < TIMEOUT + GRACE + STARTUP_S, f"took {elapsed:.1f} s"
