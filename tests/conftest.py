@@ -77,6 +77,19 @@ def last_run(cwd) -> dict:
     return json.loads((Path(cwd) / ".bsrun" / "last-run.json").read_text())
 
 
+def assert_scheduled(run: dict, ranks: int = 2, context: str = "") -> None:
+    """The run summary shows ranks 0..ranks-1, every one scheduled (not fallen back) with
+    partitions and bytes sent; `context` (a worker's output) goes into the message."""
+    listed = run["ranks"]
+    assert [r["rank"] for r in listed] == list(range(ranks)), \
+        f"expected ranks 0..{ranks - 1} in the run summary, got {listed}\n{context}"
+    modes = {r["rank"]: r.get("mode") for r in listed}
+    assert set(modes.values()) == {"scheduled"}, \
+        f"not every rank ran scheduled: {modes} (notes: {[r.get('notes') for r in listed]})\n{context}"
+    for r in listed:
+        assert r.get("partitions", 0) > 0 and r.get("bytes", 0) > 0, f"rank {r['rank']} scheduled nothing: {r}\n{context}"
+
+
 def assert_same_state(a, b, path="state", atol=1e-8):
     if isinstance(a, torch.Tensor):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=atol), \

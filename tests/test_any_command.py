@@ -1,17 +1,16 @@
 """Any launcher, any framework: `bsrun COMMAND...` runs the command as it runs without bsrun,
 and a process becomes a scheduled worker where it builds its DDP model, whoever started it
-(torch.multiprocessing.spawn, torchrun under a shell script, accelerate)."""
+(torch.multiprocessing.spawn, torchrun under a shell script; accelerate launch is in test_frameworks.py)."""
 
 import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_bsrun
 
 
 def run_plain(args, cwd, env=None, timeout=180):
@@ -25,9 +24,7 @@ def run_plain(args, cwd, env=None, timeout=180):
 def assert_scheduled_on_both_ranks(workdir):
     summary = last_run(workdir)
     assert summary["kind"] == "wrap" and summary["exit_code"] == 0
-    assert [r["rank"] for r in summary["ranks"]] == [0, 1], summary["ranks"]
-    for r in summary["ranks"]:
-        assert r["mode"] == "scheduled" and r["partitions"] > 0 and r["steps"] > 0, r
+    assert_scheduled(summary)
 
 
 def assert_same_result(workdir, plain, sched):
@@ -99,18 +96,3 @@ def test_any_other_command_runs_as_given(workdir):
     proc = run_bsrun(["bash", "-c", "echo \"$BSRUN_ACTIVE ${RANK:-none}\"; exit 3"], cwd=workdir)
     assert proc.returncode == 3 and proc.stdout == "1 none\n", proc.stderr
     assert last_run(workdir)["exit_code"] == 3
-
-
-def test_an_accelerate_launch_is_scheduled(workdir):
-    accelerate = shutil.which("accelerate")
-    if accelerate is None:
-        pytest.skip("accelerate is not on PATH")
-    # Accelerate's own flags: --cpu with 2 processes would start one process; --multi_gpu on a
-    # machine without a GPU is MULTI_CPU over gloo, its processes started by torch.distributed.run.
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", 2, "--num_machines", 1,
-              "--mixed_precision", "no", "--dynamo_backend", "no", WORKERS / "any_accelerate.py", "--out"]
-    env = bsrun_env(HF_HOME=str(workdir / "hf"))  # no accelerate config of this machine's
-    run_plain([*launch, "plain.pt"], workdir, env=env)
-    run_bsrun([*launch, "sched.pt"], cwd=workdir, env=env, check=True, timeout=240)
-    assert_scheduled_on_both_ranks(workdir)
-    assert_same_result(workdir, "plain.pt", "sched.pt")

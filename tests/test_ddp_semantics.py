@@ -13,7 +13,7 @@ comparison is never against a fallback to plain DDP.
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, assert_scheduled, last_run, run_bsrun
 
 SCHED = ["--partition", "4KiB", "--credit", "2x", "--timeout", "60"]
 PLAIN = ["--no-schedule", "--timeout", "60"]
@@ -30,16 +30,6 @@ def run(workdir, name, bsrun_args, script, args, timeout=240):
     saved = {r: workdir / f"{name}-rank{r}.pt" for r in (0, 1)}
     assert all(p.exists() for p in saved.values()), f"{script} did not save both ranks' states"
     return {r: torch.load(p) for r, p in saved.items()}, last_run(workdir)
-
-
-def assert_scheduled(summary):
-    ranks = summary["ranks"]
-    assert len(ranks) == 2, f"expected 2 ranks in the run summary, got {ranks}"
-    modes = {r["rank"]: r.get("mode") for r in ranks}
-    assert set(modes.values()) == {"scheduled"}, \
-        f"not every rank ran scheduled: {modes} (notes: {[r.get('notes') for r in ranks]})"
-    for r in ranks:
-        assert r["partitions"] > 0 and r["bytes"] > 0, f"rank {r['rank']} scheduled nothing: {r}"
 
 
 def plain_and_scheduled(workdir, script, args):

@@ -57,7 +57,7 @@ import sys
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_bsrun
 
 SCHED = ["--partition", "4KiB", "--credit", "2x", "--timeout", "60"]
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -98,21 +98,11 @@ def scheduled(workdir, command, out, timeout):
     return torch.load(out), last_run(workdir), proc
 
 
-def assert_scheduled(run, proc):
-    ranks = run["ranks"]
-    assert len(ranks) == 2, f"expected 2 ranks in the run summary, got {json.dumps(ranks)}\n{tail(proc)}"
-    modes = {r["rank"]: r.get("mode") for r in ranks}
-    assert set(modes.values()) == {"scheduled"}, \
-        f"not every rank ran scheduled: {modes} (notes: {[r.get('notes') for r in ranks]})\n{tail(proc)}"
-    for r in ranks:
-        assert r.get("partitions", 0) > 0 and r.get("bytes", 0) > 0, f"rank {r['rank']} scheduled nothing: {r}"
-
-
 def same_as_without_bsrun(workdir, command, timeout=180, per_run=None):
     """command(port) -> argv; runs the reference, then bsrun; compares; returns bsrun's proc."""
     plain = reference(workdir, command(free_port()), workdir / "plain.pt", timeout)
     sched, run, proc = scheduled(workdir, command(free_port()), workdir / "sched.pt", timeout)
-    assert_scheduled(run, proc)
+    assert_scheduled(run, context=tail(proc))
     try:
         assert_same_state(sched, plain)
     except AssertionError as e:
