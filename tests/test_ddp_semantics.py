@@ -67,6 +67,16 @@ def test_find_unused_parameters_used_on_one_rank_on_none_and_under_no_sync(workd
 
 
 @pytest.mark.slow
+def test_static_graph_leaves_the_gradients_of_parameters_no_rank_used_untouched(workdir):
+    """DDP(static_graph=True) finds the unused parameters in its first iteration and treats
+    them as find_unused_parameters does: `dead` keeps None gradients (Adam never steps it),
+    `branch` (rank 0 only) is averaged with rank 1's zeros. bsrun used to all-reduce zeros
+    into `dead`, and Adam's weight decay then moved it."""
+    plain, _, _ = plain_and_scheduled(workdir, "semantics_unused.py", ["--static-graph", "--accumulate-step", "-1"])
+    assert plain[0]["grad_is_none"]["dead.bias"], "the plain run does not leave dead's gradient None"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["context", "method"], ids=["Join([model])", "model.join()"])
 def test_join_with_uneven_inputs(workdir, how):
     """Rank 0 has 5 batches, rank 1 has 3; SGD with momentum; BatchNorm's buffers broadcast

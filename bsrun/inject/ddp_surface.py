@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel
 
+from bsrun.inject.unused import track_unused
+
 _SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
 
 # DDP attributes that come straight from a constructor argument
@@ -114,11 +116,14 @@ class DDPSurface:
         return bound.arguments[name] if name in bound.arguments else None
 
     def _set_static_graph(self) -> None:
-        """As DDP: say so if it already was; bsrun needs nothing of a static graph."""
+        """As DDP: say so if it already was. A static graph's reducer leaves the gradients of
+        parameters no rank used untouched, as find_unused_parameters does: so does bsrun."""
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         self.static_graph = True
+        if self._bsrun.unused is None:
+            track_unused(self._bsrun, self._bsrun_transport.control_group)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate) -> None:
         if sample_rate < 1:

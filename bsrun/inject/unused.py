@@ -1,5 +1,8 @@
 """find_unused_parameters=True: which parameters some rank used, and what their gradients become.
 
+The same for static_graph=True, whose reducer finds the unused parameters in its first
+iteration and then treats them alike.
+
 DDP's reducer (reducer.cpp: mark_variable_ready_dense, finalize_bucket_dense,
 copy_bucket_to_grad) gives a parameter that got no gradient in a synchronising backward:
 
@@ -109,3 +112,10 @@ class UnusedParameters:
             self.last.wait()
             counts = self.last.counts.clone()
         self.last = UsedMap(counts, self.group)
+
+
+def track_unused(runtime, group) -> None:
+    """Give a ModelRuntime these semantics from its next backward on (static_graph set by
+    `_set_static_graph()` after the model was built)."""
+    runtime.unused = UnusedParameters(group, len(runtime.params))
+    runtime.writeback = runtime.unused.writeback

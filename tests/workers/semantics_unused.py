@@ -4,6 +4,8 @@
 (under no_sync) on rank 1; `dead` never runs, and at --manual-step its weight is given a
 .grad of the script's own, different on each rank (DDP leaves a parameter unused on every
 rank untouched, so Adam steps it with that rank's own gradient). Adam with weight decay.
+--static-graph: DDP(static_graph=True) instead, whose reducer finds the unused parameters
+in its first iteration and treats them the same way (no no_sync step then).
 Each rank saves its model, its optimizer state, its gradients and which are None to
 OUT-rankR.pt."""
 
@@ -42,12 +44,13 @@ def main():
     p.add_argument("--accumulate-step", type=int, default=3)
     p.add_argument("--keep-step", type=int, default=5, help="zero_grad(set_to_none=False) at this step")
     p.add_argument("--manual-step", type=int, default=6)
+    p.add_argument("--static-graph", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
     rank, data = start()
     model = Net()
-    net = DDP(model, find_unused_parameters=True)
+    net = DDP(model, static_graph=True) if a.static_graph else DDP(model, find_unused_parameters=True)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
 
