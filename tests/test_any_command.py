@@ -13,10 +13,19 @@ import torch
 from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_bsrun
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_plain(args, cwd, env=None, timeout=180):
-    """The same command without bsrun."""
-    proc = subprocess.run(list(map(str, args)), cwd=cwd, env=env or bsrun_env(), capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    """The same command without bsrun. Plain torchrun of a gloo script now and then aborts a
+    rank at interpreter exit (torch's gloo threads, GLOO_EXIT_ABORT; seen in 2 of the last ~20
+    plain runs on this machine): that reference run alone is tried once more. The bsrun runs
+    get no second try."""
+    for _ in range(2):
+        proc = subprocess.run(list(map(str, args)), cwd=cwd, env=env or bsrun_env(), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if proc.returncode == 0 or GLOO_EXIT_ABORT not in proc.stderr:
+            break
     assert proc.returncode == 0, f"{args} without bsrun exited {proc.returncode}\n{proc.stderr[-3000:]}"
     return proc
 
