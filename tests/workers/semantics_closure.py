@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from exact_common import mlp, start
+from exact_common import mlp, save_rank_state, start
 
 
 def pending_updates() -> int:
@@ -54,11 +54,7 @@ def main():
 
         losses.append(opt.step(closure).item())
         pending.append(pending_updates())
-    grads = {name: (None if q.grad is None else q.grad.clone()) for name, q in model.named_parameters()}
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "grads": grads,
-                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses,
-                "pending": pending},
-               f"{a.out}-rank{rank}.pt")
+    save_rank_state(model, opt, f"{a.out}-rank{rank}.pt", losses=losses, pending=pending)
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from exact_common import start
+from exact_common import save_rank_state, start
 
 
 class Net(nn.Module):
@@ -64,11 +64,7 @@ def main():
         if not a.throw:
             raise
         raised = "exhausted" in str(e)
-    grads = {name: (None if q.grad is None else q.grad.clone()) for name, q in model.named_parameters()}
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "grads": grads,
-                "grad_is_none": {name: g is None for name, g in grads.items()}, "losses": losses,
-                "raised": raised},
-               f"{a.out}-rank{rank}.pt")
+    save_rank_state(model, opt, f"{a.out}-rank{rank}.pt", losses=losses, raised=raised)
     dist.destroy_process_group()
 
 
