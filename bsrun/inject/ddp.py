@@ -46,8 +46,8 @@ def fallback_reason(module: torch.nn.Module, args: dict, config: SchedConfig) ->
     return why_not_schedulable([p for p in module.parameters() if p.requires_grad], module.modules())
 
 
-def broadcast_from_rank0(tensors, group, src: int = 0) -> None:
-    """Rank 0's values (or group rank `src`'s) into every rank's tensors, one collective per dtype."""
+def broadcast_from(tensors, group, src: int = 0) -> None:
+    """Group rank `src`'s values (rank 0 unless told) into every rank's tensors, one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -109,7 +109,7 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         self._bsrun_sync_work = None  # under Join: the last "this forward synchronises" all-reduce
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
-            broadcast_from_rank0(list(module.parameters()) + self.modules_buffers,
+            broadcast_from(list(module.parameters()) + self.modules_buffers,
                                  self._bsrun_transport.control_group)
         state.set_mode("scheduled")
 
@@ -136,12 +136,12 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         self.require_forward_param_sync = sync
 
     def _broadcast_buffers(self, src: int) -> None:
-        broadcast_from_rank0(self.modules_buffers, self._bsrun_transport.control_group, src)
+        broadcast_from(self.modules_buffers, self._bsrun_transport.control_group, src)
 
     def _broadcast_model(self, src: int) -> None:
         """Join's end: the model from group rank `src` (DDP's _sync_final_model)."""
         buffers = list(self.module.buffers()) if self.forward_sync_buffers else []
-        broadcast_from_rank0(list(self.module.parameters()) + buffers, self._bsrun_transport.control_group, src)
+        broadcast_from(list(self.module.parameters()) + buffers, self._bsrun_transport.control_group, src)
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):

@@ -281,8 +281,8 @@ class ModelRuntime:
     def _release(self, indices) -> None:
         """Parameters with nothing owed are plain again (see bsrun/inject/trap.py)."""
         for i in indices:
-            owed = self.in_flight(i) or self.owes_update(i) or i in self.writeback
-            if trap.is_trapped(self.params[i]) and not owed:
+            if trap.is_trapped(self.params[i]) and not (self.in_flight(i) or self.owes_update(i)
+                                                        or i in self.writeback):
                 trap.release(self.params[i])
 
     def _write_back(self, indices) -> None:
