@@ -192,6 +192,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("check_every", "--check-every", "BSRUN_CHECK_EVERY", parse_every, "100",
          "every N optimizer steps the ranks compare checksums of their parameters and a rank "
          "that differs ends the job (0: never)"),
+    Knob("adapt", "--adapt/--no-adapt", "BSRUN_ADAPT", parse_bool, "1",
+         "adapt online: during the first steps rank 0 times a few configurations (one behaves "
+         "like the unscheduled run) and every rank keeps the fastest; re-checked when the step "
+         "time drifts; --no-adapt keeps the configuration as given", _bool_text),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 TUNABLE = ("partition", "credit")
@@ -207,6 +211,7 @@ class SchedConfig:
     arch: str = "allreduce"
     servers: int = 1
     check_every: int = 100
+    adapt: bool = True
     sources: dict[str, str] = field(default_factory=dict)
 
     @property

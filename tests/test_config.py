@@ -52,7 +52,8 @@ def test_workers_see_exactly_the_launcher_config():
 
 # A value other than the default for every knob: a new knob needs one here too.
 NOT_DEFAULT = {"enabled": "0", "partition": "1MB", "credit": "3x", "timeout": "1.5m", "order": "tic",
-               "arch": "ps", "servers": "3", "check_every": "7"}
+               "arch": "ps", "servers": "3", "check_every": "7",
+               "adapt": "0"}
 
 
 def test_every_knob_is_one_row_the_cli_env_and_summary_all_follow():

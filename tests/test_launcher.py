@@ -162,7 +162,7 @@ def test_dry_run_shows_config_sources_commands_and_environment(workdir):
     assert plan["config"]["sources"] == {"partition": "flag", "credit": "config knobs.toml",
                                          "timeout": "env BSRUN_TIMEOUT", "enabled": "default",
                                          "order": "default", "arch": "default", "servers": "default",
-                                         "check_every": "default"}
+                                         "check_every": "default", "adapt": "default"}
     assert plan["config"]["partition"] == 1_000_000 and plan["config"]["credit_bytes"] == 8_000_000
     assert [w["argv"] for w in plan["workers"]] == [["python", "train.py", "--lr", "0.1"]] * 2
     assert [w["env"]["RANK"] for w in plan["workers"]] == ["0", "1"]

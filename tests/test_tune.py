@@ -173,7 +173,7 @@ def test_a_knob_fixed_on_the_command_line_is_kept_and_not_searched(workdir):
                                 check=True).stdout)
     assert plan["config"]["sources"] == {"partition": "flag", "credit": TUNED, "enabled": "default",
                                          "timeout": "default", "order": "default", "arch": "default",
-                                         "servers": "default", "check_every": "default"}
+                                         "servers": "default", "check_every": "default", "adapt": "default"}
 
 
 def test_a_corrupt_journal_is_moved_aside_with_a_warning(workdir):
