@@ -61,6 +61,7 @@ class ScheduledJoinHook(JoinHook):
     def __init__(self, model):
         self.model = model
         runtime = model._bsrun
+        runtime.adapter.stop("Join: a rank that ran out of inputs stops stepping")
         if runtime.replicas.every:
             state.say_once("the replica check (--check-every) is off for a model trained under Join: "
                            "its ranks step different numbers of times")

@@ -23,6 +23,7 @@ import threading
 import torch
 
 from bsrun.inject import compiled, state, trap
+from bsrun.inject.adapt import Adapter
 from bsrun.inject.backward_end import BackwardEnd
 from bsrun.inject.order import DependencyCounter, transfer_order
 from bsrun.inject.replicas import ReplicaCheck
@@ -86,6 +87,12 @@ class ModelRuntime(Updates):
         self.partition_bytes = config.partition    # until rank 0's values are agreed at the
         self.credit_bytes = config.credit_bytes    # first synchronising backward pass
         self.scheduler: Scheduler | None = None
+        self.retired_stats: dict[str, int] = {}  # the counts of schedulers an adaptation replaced
+        self.configured_order_name = self.order_name = config.order.partition(":")[0]
+        self.configured_order: list[int] = []   # agreed at the first synchronising backward
+        self.fifo_order: list[int] = []
+        self.proxy = True                       # per-layer waits; False: step() waits for all
+        self.adapter = Adapter(self)
         self._seen_this_backward: set[int] = set()
         self._backward_end = BackwardEnd(self._end_of_backward)
         self.replicas = ReplicaCheck(config.check_every, self.names, self.transport.agree)
@@ -214,22 +221,43 @@ class ModelRuntime(Updates):
 
     def _start(self) -> None:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
-        order = self._transfer_order(forward_order(self.first_use, len(self.params)))
+        forward = forward_order(self.first_use, len(self.params))
+        order = self._transfer_order(forward)
         mine = [self.partition_bytes, self.credit_bytes]
         agreed = self.transport.agree(mine + order)
-        (self.partition_bytes, self.credit_bytes), order = agreed[:2], agreed[2:]
+        (self.partition_bytes, self.credit_bytes), self.configured_order = agreed[:2], agreed[2:]
         if agreed[:2] != mine:
             state.warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
                        f"({self.partition_bytes} B, {self.credit_bytes} B); every rank uses rank 0's")
+        self.fifo_order = transfer_order("fifo", forward, self.names, None)
+        self.adapter.started()
+        self._lay_out(self.configured_order)
+
+    def _lay_out(self, order: list[int]) -> None:
+        """Partitions of `partition_bytes` in `order`, and a scheduler for them."""
         infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
         self.layout = Layout(plan_partitions(infos, order, self.partition_bytes), len(self.params))
         backend = self.transport.backend(self.partitions, lambda i: self.grads[i],
                                          {str(p.dtype): p.dtype for p in self.params})
         recorder = state.recorder
+        trace = recorder.scheduler_trace(self) if recorder is not None else None
+        if self.adapter.explorer is not None:
+            trace = self.adapter.observer(trace)
         self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
                                    self.transport.credit(self.credit_bytes),
-                                   self._on_partition_done, self._on_error,
-                                   trace=recorder.scheduler_trace(self) if recorder is not None else None)
+                                   self._on_partition_done, self._on_error, trace=trace)
+
+    @trap.internal
+    def reconfigure(self, point) -> None:
+        """Every rank after the same step (bsrun/inject/adapt.py): this round finished and
+        every pending update applied, then the partitions laid out anew for `point`."""
+        self.flush()
+        self.scheduler.close()
+        for key, value in self.scheduler.stats.items():
+            self.retired_stats[key] = self.retired_stats.get(key, 0) + value
+        self.partition_bytes, self.credit_bytes, self.proxy = point.partition, point.credit_bytes, point.proxy
+        self.order_name = point.order
+        self._lay_out(self.fifo_order if point.order == "fifo" else self.configured_order)
 
     def _transfer_order(self, forward: list[int]) -> list[int]:
         """--order's priority; rank 0's wins at agreement."""
@@ -256,7 +284,9 @@ class ModelRuntime(Updates):
             self.cv.notify_all()
 
     def counters(self) -> dict:
-        stats = dict(self.scheduler.stats) if self.scheduler else {}
+        stats = dict(self.retired_stats)
+        for key, value in (self.scheduler.stats if self.scheduler else {}).items():
+            stats[key] = stats.get(key, 0) + value
         return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
                 "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
                 "negotiations": stats.get("negotiations", 0), "checks": self.replicas.checks}

@@ -159,6 +159,10 @@ def count_step() -> int:
     return _COUNTS["steps"]
 
 
+def steps_taken() -> int:
+    return _COUNTS["steps"]
+
+
 def step_finished(number: int) -> None:
     """After step() number `number` returned to the script's side of bsrun."""
     for listener in list(STEP_LISTENERS):
@@ -171,7 +175,8 @@ def counters() -> dict:
     for model in list(MODELS):
         for key, value in model.counters().items():
             stats[key] += value
-    return {**stats, **_COUNTS, "notes": list(_NOTES)}
+    adapt = next((model.adapter.report() for model in list(MODELS)), None)  # the first model's
+    return {**stats, **_COUNTS, "notes": list(_NOTES), **({"adapt": adapt} if adapt is not None else {})}
 
 
 # --- the scheduled models ---------------------------------------------------------------

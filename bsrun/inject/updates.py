@@ -91,6 +91,8 @@ class Updates:
         A closure of an elementwise optimizer runs first, as torch's optimizers run it, outside
         bsrun's `internal` (the script's reads stay trapped): its forward settles layer by
         layer, its backward is scheduled, and step() returns its loss."""
+        if not self.proxy:  # adaptation's unscheduled-like point: wait here, as DDP at its backward's end
+            self.flush()
         reason = self._why_at_once(optimizer)
         if reason is not None:
             state.say_once(f"{reason} needs all gradients at once: synchronising fully at those steps")

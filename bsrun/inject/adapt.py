@@ -1,0 +1,154 @@
+"""Online adaptation inside a worker: rank 0's search carried to every rank at a step boundary.
+
+Every WINDOW optimizer steps (bsrun/sched/adaptive.py says which points and why), each
+rank calls the model's training-thread agreement (`Transport.agree`, a broadcast of rank
+0's values) right after step() returns: rank 0 sends its decision, the others take it. So
+every rank switches after the same step, and the switch itself (`ModelRuntime.reconfigure`)
+first finishes the round and applies every pending update: parameters are exactly what
+they would have been without the switch. Only rank 0's clock and transfers count.
+
+Off (said in the run summary, with why): --no-adapt; a tuning trial or a profile, which
+measure the point as given, unless --adapt was given; a DDP comm hook (its state is per
+bucket); a model under Join (a joined rank stops stepping, so it could not take part).
+"""
+
+from __future__ import annotations
+
+import time
+
+from bsrun.config import PROFILE_DIR_ENV, TRIAL_OUT_ENV, worker_setting
+from bsrun.inject import state
+from bsrun.sched.adaptive import WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, service_times
+
+_ORDERS = ("configured", "fifo")  # a point's order on the wire: the agreed configured order, or fifo
+_KINDS = ("steady", "record", "switch")
+_WHYS = ("steady", "explore", "keep", "drift")  # a decision's why, as the other ranks record it
+
+
+class Adapter:
+    """One model's adaptation: a step listener from its first synchronising backward on."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.why_off: str | None = self._why_off(runtime.config)
+        self.explorer: Explorer | None = None
+        self.switches: list[dict] = []
+        self.searching = True  # every rank, from rank 0's decisions
+        self.next_decision = 0
+        self.switched_at = 0
+        self.boundaries: list[float] = []  # rank 0: step() returns since the last decision
+        self.transfers: list[tuple[int, float, float]] | None = None  # (bytes, post, finish) while fitting
+        self._posts: dict[int, float] = {}
+
+    @staticmethod
+    def _why_off(config) -> str | None:
+        if not config.adapt:
+            return "--no-adapt"
+        given = config.sources.get("adapt", "default").split(" ")[0] in ("flag", "config", "env")
+        if not given and worker_setting(TRIAL_OUT_ENV):
+            return "a tuning trial times the point as given"
+        if not given and worker_setting(PROFILE_DIR_ENV):
+            return "a profile records the point as given (bsrun profile --adapt records the switches)"
+        return None
+
+    def stop(self, why: str) -> None:
+        """From here on every rank keeps its point (called on every rank at the same place)."""
+        if self.why_off is None:
+            self.why_off = why
+        if self.on_step in state.STEP_LISTENERS:
+            state.STEP_LISTENERS.remove(self.on_step)
+
+    def started(self) -> None:
+        """The runtime has its first layout (every rank, the same backward pass)."""
+        if self.why_off is None and self.runtime.transport.reduce is not None:
+            self.why_off = "a DDP comm hook keeps state per bucket"
+        if self.why_off is not None or self.explorer is not None:
+            return
+        rt = self.runtime
+        config = rt.config
+        fixed_by_user = config.fixed_by_user()
+        self.explorer = Explorer(self.point(), Fixed(
+            partition=rt.partition_bytes if "partition" in fixed_by_user else None,
+            credit_bytes=rt.credit_bytes if "credit" in fixed_by_user else None,
+            order=config.order.partition(":")[0] if "order" in fixed_by_user else None))
+        self.next_decision = state.steps_taken() + WARMUP_STEPS
+        state.STEP_LISTENERS.append(self.on_step)
+
+    def point(self) -> Point:
+        rt = self.runtime
+        return Point(rt.partition_bytes, rt.credit_bytes, rt.order_name, rt.proxy)
+
+    # --- rank 0's measurements ------------------------------------------------------------
+
+    def observer(self, recorder_trace):
+        """The scheduler's observer: rank 0 notes (bytes, post, finish) while a fit wants them."""
+        posts = self._posts
+        partitions = self.runtime.partitions
+
+        def observe(event: str, pid: int, t_ns: int) -> None:  # the scheduler's threads
+            if recorder_trace is not None:
+                recorder_trace(event, pid, t_ns)
+            if self.transfers is None:
+                return
+            if event == "post":
+                posts[pid] = t_ns / 1e9
+            elif event == "finish" and pid in posts:
+                self.transfers.append((partitions[pid].nbytes, posts.pop(pid), t_ns / 1e9))
+        return observe
+
+    def on_step(self, number: int) -> None:
+        if state.worker_rank() == 0:
+            self.boundaries.append(time.perf_counter())
+        if number < self.next_decision:
+            return
+        decision = self._decide(number) if state.worker_rank() == 0 else None
+        self._carry_out(number, self._agree(decision))
+        self.next_decision = number + WINDOW
+
+    def _decide(self, number: int) -> Decision:
+        if not self.switches:
+            return self.explorer.start()
+        skip = 2 if self.switched_at and self.switched_at == number - WINDOW else 1
+        times = [b - a for a, b in zip(self.boundaries[skip - 1:], self.boundaries[skip:])]
+        transfers = service_times(self.transfers or [])
+        return self.explorer.window_done(times, transfers)
+
+    # --- every rank ----------------------------------------------------------------------
+
+    def _agree(self, decision: Decision | None) -> tuple[str, Point, bool, str, float | None]:
+        """Rank 0's decision on every rank: (kind, point, trace, why, median). The other
+        ranks record the why's first word (rank 0's report has the whole sentence)."""
+        values = [0] * 8
+        if decision is not None:
+            point = decision.point or self.explorer.current
+            kind = "switch" if decision.point is not None else ("steady" if decision.why == "steady" else "record")
+            values = [_KINDS.index(kind), point.partition, point.credit_bytes,
+                      _ORDERS.index("fifo" if point.order == "fifo" else "configured"), int(point.proxy),
+                      int(decision.trace), int((decision.median_s or 0) * 1e9),
+                      _WHYS.index(decision.why.split(":")[0])]
+        agreed = self.runtime.transport.agree(values)
+        order = "fifo" if _ORDERS[agreed[3]] == "fifo" else self.runtime.configured_order_name
+        point = Point(agreed[1], agreed[2], order, bool(agreed[4]))
+        why = decision.why if decision is not None else f"{_WHYS[agreed[7]]} (rank 0's decision)"
+        self.searching = _WHYS[agreed[7]] != "keep" if agreed[0] else self.searching
+        return _KINDS[agreed[0]], point, bool(agreed[5]), why, agreed[6] / 1e9 if agreed[6] else None
+
+    def _carry_out(self, number: int, agreed) -> None:
+        kind, point, trace, why, median = agreed
+        if kind == "switch":
+            self.runtime.reconfigure(point)
+            self.switched_at = number
+        if kind != "steady":
+            self.switches.append({"step": number, "point": point.as_dict(),
+                                  "why": why,
+                                  "median_s": median})
+            state.debug(f"adapt at step {number}: {kind} to {point} ({why})")
+        self._posts.clear()
+        self.transfers = [] if trace and state.worker_rank() == 0 else None
+        self.boundaries = self.boundaries[-1:]
+
+    def report(self) -> dict:
+        if self.why_off is not None:
+            return {"state": "off", "why_off": self.why_off, "point": self.point().as_dict(), "switches": self.switches}
+        return {"state": "exploring" if self.searching else "settled", "why_off": None,
+                "point": self.point().as_dict(), "switches": self.switches}

@@ -1,0 +1,176 @@
+"""Online adaptation's decisions: which scheduling points to try, and which to keep.
+
+Pure and framework-free: rank 0's `Explorer` is fed step times and the run's own
+partition transfers, and answers at each window's end with the point every rank should
+run next (bsrun/inject/adapt.py carries that answer to the ranks and re-lays the model).
+
+A point is what can change between two steps without changing the result: the partition
+size, the credit, the transfer order (the configured one, or fifo: as gradients become
+ready) and whether the next forward waits per layer (the dependency proxy) or step()
+waits for everything (as plain DDP does at the end of backward). The candidates:
+- the incumbent: the configured point (or the one a previous run or `bsrun tune` left);
+- the fitted point: from the run's own transfers a per-partition fixed cost `a` and a
+  bandwidth `B` (service time = a + bytes / B); the partition that keeps `a` to a tenth of
+  a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB), credit 2x;
+- the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
+  per-layer wait, so that bsrun can always fall back to what plain DDP does.
+Each is timed for one window (its first step, which pays the switch, is not timed); the
+fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster. Then,
+every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
+row off by more than DRIFT (the network or the load changed) start the search again,
+re-fitted on the windows after the change.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+from typing import Sequence
+
+WINDOW = 4            # optimizer steps per decision; after a switch the first is not timed
+WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-step costs)
+KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
+DRIFT = 0.25          # a window this far from the kept point's median ...
+DRIFT_WINDOWS = 3     # ... this many times in a row: search again
+DDP_BUCKET_BYTES = 25 * 2**20
+UNLIMITED = 2**62
+MIN_PARTITION, MAX_PARTITION = 64 * 2**10, 64 * 2**20
+FALLBACK_FIXED_COST_S = 5e-4  # when the transfers cannot separate fixed cost from bandwidth
+
+
+@dataclass(frozen=True)
+class Point:
+    partition: int       # bytes; 0: each tensor whole
+    credit_bytes: int
+    order: str           # the configured order's name, or "fifo"
+    proxy: bool          # per-layer waits in the next forward (False: wait at step())
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What the user fixed (flag, file or environment): every candidate keeps it."""
+    partition: int | None = None
+    credit_bytes: int | None = None
+    order: str | None = None
+
+    def apply(self, point: Point) -> Point:
+        return replace(point, partition=point.partition if self.partition is None else self.partition,
+                       credit_bytes=point.credit_bytes if self.credit_bytes is None else self.credit_bytes,
+                       order=point.order if self.order is None else self.order)
+
+
+def unscheduled_like() -> Point:
+    return Point(DDP_BUCKET_BYTES, UNLIMITED, "fifo", False)
+
+
+def fit_link(transfers: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """(fixed cost s, bandwidth B/s) from (bytes, service seconds) of partitions, or None."""
+    samples = [(b, t) for b, t in transfers if b > 0 and t > 0]
+    if len(samples) < 3:
+        return None
+    sizes = [b for b, _ in samples]
+    mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(t for _, t in samples)
+    var_b = statistics.fmean((b - mean_b) ** 2 for b in sizes)
+    if var_b > (0.3 * mean_b) ** 2:  # sizes differ enough to tell the two apart
+        slope = statistics.fmean((b - mean_b) * (t - mean_t) for b, t in samples) / var_b
+        fixed = mean_t - slope * mean_b
+        if slope > 0 and fixed >= 0:
+            return fixed, 1.0 / slope
+    fixed = min(FALLBACK_FIXED_COST_S, min(t for _, t in samples) / 2)
+    rates = [b / (t - fixed) for b, t in samples if t > fixed]
+    return (fixed, statistics.median(rates)) if rates else None
+
+
+def fitted_point(link: tuple[float, float] | None, incumbent: Point) -> Point | None:
+    if link is None:
+        return None
+    fixed, bandwidth = link
+    target = min(max(9 * fixed * bandwidth, MIN_PARTITION), MAX_PARTITION)
+    partition = MIN_PARTITION
+    while partition * 2 <= target:
+        partition *= 2
+    return Point(partition, 2 * partition, incumbent.order if incumbent.order != "fifo" else "forward", True)
+
+
+def service_times(events: Sequence[tuple[int, float, float]]) -> list[tuple[int, float]]:
+    """(bytes, post s, finish s) of collectives run in posting order on one channel ->
+    (bytes, service s): each from its post or the previous finish, whichever is later."""
+    out, previous = [], None
+    for nbytes, posted, finished in sorted(events, key=lambda e: e[1]):
+        start = posted if previous is None else max(posted, previous)
+        out.append((nbytes, finished - start))
+        previous = finished
+    return out
+
+
+@dataclass
+class Decision:
+    point: Point | None      # switch to it at this boundary; None: stay
+    why: str
+    median_s: float | None   # the measurement behind the decision
+    trace: bool = False      # collect transfers for a fit during the next window
+
+
+class Explorer:
+    """Rank 0's search. `window_done(step_times, transfers)` at every window's end."""
+
+    def __init__(self, incumbent: Point, fixed: Fixed):
+        self.fixed = fixed
+        self.current = incumbent
+        self.kept: Point = incumbent
+        self.kept_median: float | None = None
+        self.queue: list[Point] = []     # points still to try in this search
+        self.timed: dict[Point, float] = {}
+        self.searching = True
+        self.drifting = 0
+
+    def start(self) -> Decision:
+        """Before the first window: time the incumbent and gather its transfers."""
+        return Decision(None, "explore: the configured point", None, trace=True)
+
+    def window_done(self, step_times: Sequence[float], transfers: Sequence[tuple[int, float]]) -> Decision:
+        median = statistics.median(step_times) if step_times else None
+        if self.searching:
+            return self._search(median, transfers)
+        if median is None or self.kept_median is None:
+            return Decision(None, "steady", median)
+        off = abs(median / self.kept_median - 1) > DRIFT
+        self.drifting = self.drifting + 1 if off else 0
+        if self.drifting < DRIFT_WINDOWS:
+            return Decision(None, "steady", median)
+        self.drifting = 0
+        self.searching, self.timed, self.queue = True, {}, []
+        return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
+                              f"re-timing it and searching again", median, trace=True)
+
+    def _search(self, median: float | None, transfers) -> Decision:
+        if median is not None:
+            self.timed[self.current] = median
+        if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
+            candidates = [fitted_point(fit_link(transfers), self.current), unscheduled_like()]
+            for point in candidates:
+                if point is not None:
+                    point = self.fixed.apply(point)
+                    if point not in self.timed and point not in self.queue:
+                        self.queue.append(point)
+        if self.queue:
+            self.current = self.queue.pop(0)
+            return Decision(self.current, "explore: " + ("the unscheduled-like point" if not self.current.proxy
+                                                         else "the point fitted to the measured link"), median)
+        return self._keep(median)
+
+    def _keep(self, median: float | None) -> Decision:
+        incumbent = self.kept
+        best = min(self.timed, key=self.timed.get)
+        if incumbent in self.timed and self.timed[best] > self.timed[incumbent] * (1 - KEEP_MARGIN):
+            best = incumbent
+        self.searching, self.kept, self.kept_median = False, best, self.timed[best]
+        times = ", ".join(f"{t:.4g}" for t in self.timed.values())
+        why = f"keep: fastest median step {self.timed[best]:.4g} s of {times}"
+        if best == self.current:
+            return Decision(None, why, median)
+        self.current = best
+        return Decision(best, why, median)
