@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -13,8 +14,9 @@ from pathlib import Path
 import click
 
 from bsrun import __version__
-from bsrun.config import KNOBS, TUNABLE, TUNED_FILE, job_signature, load_tuned, resolve
+from bsrun.config import KNOBS, TUNABLE, TUNED_FILE, job_signature, load_learned, load_tuned, resolve
 from bsrun.errors import BsrunError
+from bsrun.sched.adaptive import describe_point
 from bsrun.tune.space import SPACE_HELP
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -104,6 +106,24 @@ def tac_profile(order: str) -> Path:
     return folder.resolve()
 
 
+def _signature(command, nproc, network, config) -> str:
+    """The key of the job's tuned config and learned point; --arch and --servers are part of the job."""
+    return job_of(command, nproc, network, config.servers if config.arch == "ps" else 0)[0]
+
+
+def commit_learned_point(plan) -> None:
+    """The point rank 0's adaptation kept in this run, kept for the job's next launch."""
+    from bsrun.launch.summary import read_last_run
+    from bsrun.tune.commit import commit_learned
+
+    run = read_last_run() or {}
+    adapt = next((r.get("adapt") for r in run.get("ranks", []) if r.get("rank") == 0), None)
+    if not adapt or adapt.get("state") != "settled":
+        return
+    signature = _signature(plan.command, plan.nproc if plan.kind == "local" else None, plan.network, plan.config)
+    commit_learned(signature, adapt["point"], {"decisions": len(adapt["switches"])})
+
+
 def resolve_launch(command, nproc, config_file, grace, emulate_bandwidth=None, emulate_latency=None,
                    use_tuned=True, **knobs):
     """Flags -> resolved config -> LaunchPlan; every bad value ends here with one line.
@@ -121,14 +141,19 @@ def resolve_launch(command, nproc, config_file, grace, emulate_bandwidth=None, e
 
     flags = {name: None if value is None else str(value) for name, value in knobs.items()}
     config = resolve(flags, config_file)
-    tuned = {}
+    tuned, learned = {}, None
     if use_tuned:  # --arch and --servers are part of the job, so they are resolved first
-        tuned = load_tuned(job_of(command, nproc, network, config.servers if config.arch == "ps" else 0)[0])
+        signature = _signature(command, nproc, network, config)
+        tuned, learned = load_tuned(signature), load_learned(signature)
     if tuned:
         config = resolve(flags, config_file, tuned=tuned)
     if config.order.startswith("tac"):
         config.order = f"tac:{tac_profile(config.order)}"
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)
+    if learned is not None and config.enabled and config.adapt:
+        plan = dataclasses.replace(plan, adapt_start=learned)
+        click.echo(f"bsrun: adapting from the point the last run kept ({describe_point(learned)}, "
+                   f"{TUNED_FILE})", err=True)
     if any(s.startswith("tuned") for s in config.sources.values()):
         fixed = ", ".join(f"{n}={getattr(config, n)}" for n, s in config.sources.items() if s.startswith("tuned"))
         click.echo(f"bsrun: using tuned config {fixed} from {TUNED_FILE}", err=True)
@@ -151,6 +176,8 @@ def run_command(command, dry_run, as_json, **launch):
     from bsrun.launch.agent import launch as run_plan
 
     code = run_plan(plan)
+    if code == 0 and plan.config.enabled and plan.config.adapt:
+        commit_learned_point(plan)
     if as_json:
         from bsrun.launch.summary import LAST_RUN
 

@@ -319,7 +319,9 @@ def load_tuned(signature: str, path: Path = TUNED_FILE) -> dict[str, str]:
         entry = data["jobs"].get(signature)
         if entry is None:
             return {}
-        config = {k: str(v) for k, v in entry["config"].items() if k in TUNABLE}
+        config = {k: str(v) for k, v in entry.get("config", {}).items() if k in TUNABLE}
+        if not isinstance(entry.get(LEARNED_KEY, {}).get("point", {}), dict):
+            raise ValueError("a learned point that is not a mapping")
     except (ValueError, KeyError, TypeError, AttributeError):
         aside = move_aside(path)
         print(f"bsrun: warning: {path} is corrupt; moved it to {aside} and using defaults",
@@ -328,11 +330,24 @@ def load_tuned(signature: str, path: Path = TUNED_FILE) -> dict[str, str]:
     return config
 
 
+LEARNED_KEY = "adapted"  # a job's entry in tuned.json: the point online adaptation kept last
+
+
+def load_learned(signature: str, path: Path = TUNED_FILE) -> dict | None:
+    """The point the last adapted run of this job kept (see bsrun/sched/adaptive.py), or None."""
+    load_tuned(signature, path)  # a corrupt file is moved aside here, with a warning
+    try:
+        return json.loads(Path(path).read_text())["jobs"][signature][LEARNED_KEY]["point"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 # Variables of the launcher-to-worker contract that are not knobs.
 ACTIVE_ENV = "BSRUN_ACTIVE"              # "1": the bsrun sitecustomize installs the bootstrap
 REPORT_DIR_ENV = "BSRUN_REPORT_DIR"      # where each rank writes its part of the run summary
 LAUNCHER_PID_ENV = "BSRUN_LAUNCHER_PID"  # the bsrun that started the launch: its workers end when it is gone
 PACKAGE_ROOT_ENV = "BSRUN_PACKAGE_ROOT"  # lets a worker's Python find bsrun if not installed there
+ADAPT_START_ENV = "BSRUN_ADAPT_START"    # JSON: the point an earlier run of the job learned
 DEBUG_ENV = "BSRUN_DEBUG"                # "1": workers say what the bootstrap did
 WORKER_PID_ENV = "BSRUN_WORKER_PID"      # set by the training worker, so its children stand aside
 # A tuning trial (`bsrun tune`): set only in the environment of a trial's launch.

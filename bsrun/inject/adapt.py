@@ -14,11 +14,15 @@ bucket); a model under Join (a joined rank stops stepping, so it could not take 
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 
-from bsrun.config import PROFILE_DIR_ENV, TRIAL_OUT_ENV, worker_setting
+from bsrun.config import ADAPT_START_ENV, PROFILE_DIR_ENV, TRIAL_OUT_ENV, worker_setting
 from bsrun.inject import state
-from bsrun.sched.adaptive import WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, service_times
+from bsrun.sched.adaptive import (WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, describe_point,
+                                  service_times)
+from bsrun.trace_events import NOTE
 
 _ORDERS = ("configured", "fifo")  # a point's order on the wire: the agreed configured order, or fifo
 _KINDS = ("steady", "record", "switch")
@@ -34,6 +38,8 @@ class Adapter:
         self.explorer: Explorer | None = None
         self.switches: list[dict] = []
         self.searching = True  # every rank, from rank 0's decisions
+        self.steps = 0         # this model's steps: step() calls after a new synchronising backward
+        self.rounds_seen = 0
         self.next_decision = 0
         self.switched_at = 0
         self.boundaries: list[float] = []  # rank 0: step() returns since the last decision
@@ -67,12 +73,30 @@ class Adapter:
         rt = self.runtime
         config = rt.config
         fixed_by_user = config.fixed_by_user()
-        self.explorer = Explorer(self.point(), Fixed(
-            partition=rt.partition_bytes if "partition" in fixed_by_user else None,
-            credit_bytes=rt.credit_bytes if "credit" in fixed_by_user else None,
-            order=config.order.partition(":")[0] if "order" in fixed_by_user else None))
-        self.next_decision = state.steps_taken() + WARMUP_STEPS
+        fixed = Fixed(partition=rt.partition_bytes if "partition" in fixed_by_user else None,
+                      credit_bytes=rt.credit_bytes if "credit" in fixed_by_user else None,
+                      order=config.order.partition(":")[0] if "order" in fixed_by_user else None)
+        configured = self.point()
+        start = self._learned(fixed)
+        if start is not None and start != configured:
+            rt.partition_bytes, rt.credit_bytes, rt.order_name, rt.proxy = (
+                start.partition, start.credit_bytes, start.order, start.proxy)
+        self.explorer = Explorer(self.point(), fixed, others=[configured])
+        self.next_decision = WARMUP_STEPS
         state.STEP_LISTENERS.append(self.on_step)
+
+    def _learned(self, fixed: Fixed) -> Point | None:
+        """The point an earlier run of this job kept (the launcher passes it), as far as
+        the user left it free; every rank reads the same variable."""
+        text = worker_setting(ADAPT_START_ENV)
+        try:
+            learned = Point(**json.loads(text)) if text else None
+        except (ValueError, TypeError) as e:
+            state.say_once(f"ignoring {ADAPT_START_ENV} ({e}): adapting from the configured point")
+            return None
+        if learned is not None and learned.order not in ("fifo", self.runtime.configured_order_name):
+            learned = replace(learned, order=self.runtime.configured_order_name)
+        return fixed.apply(learned) if learned is not None else None
 
     def point(self) -> Point:
         rt = self.runtime
@@ -97,18 +121,25 @@ class Adapter:
         return observe
 
     def on_step(self, number: int) -> None:
+        """After optimizer step `number`. Only the first step() after each synchronising
+        backward of this model counts (its rounds are collective, so the same on every
+        rank); a step of an optimizer no other rank steps cannot shift the decisions."""
+        if self.runtime.rounds == self.rounds_seen:
+            return
+        self.rounds_seen = self.runtime.rounds
+        self.steps += 1
         if state.worker_rank() == 0:
             self.boundaries.append(time.perf_counter())
-        if number < self.next_decision:
+        if self.steps < self.next_decision:
             return
-        decision = self._decide(number) if state.worker_rank() == 0 else None
+        decision = self._decide() if state.worker_rank() == 0 else None
         self._carry_out(number, self._agree(decision))
-        self.next_decision = number + WINDOW
+        self.next_decision = self.steps + WINDOW
 
-    def _decide(self, number: int) -> Decision:
+    def _decide(self) -> Decision:
         if not self.switches:
             return self.explorer.start()
-        skip = 2 if self.switched_at and self.switched_at == number - WINDOW else 1
+        skip = 2 if self.switched_at and self.switched_at == self.steps - WINDOW else 1
         times = [b - a for a, b in zip(self.boundaries[skip - 1:], self.boundaries[skip:])]
         transfers = service_times(self.transfers or [])
         return self.explorer.window_done(times, transfers)
@@ -137,12 +168,16 @@ class Adapter:
         kind, point, trace, why, median = agreed
         if kind == "switch":
             self.runtime.reconfigure(point)
-            self.switched_at = number
+            self.switched_at = self.steps
         if kind != "steady":
             self.switches.append({"step": number, "point": point.as_dict(),
                                   "why": why,
                                   "median_s": median})
-            state.debug(f"adapt at step {number}: {kind} to {point} ({why})")
+            line = f"adapt at step {number}: {'switch to' if kind == 'switch' else 'at'} " \
+                   f"{describe_point(point.as_dict())} ({why})"
+            state.debug(line)
+            if state.recorder is not None and state.worker_rank() == 0:  # a profile's trace shows them too
+                state.recorder.meta(NOTE, text=line)
         self._posts.clear()
         self.transfers = [] if trace and state.worker_rank() == 0 else None
         self.boundaries = self.boundaries[-1:]

@@ -79,6 +79,7 @@ class ModelRuntime(Updates):
         self.cv = threading.Condition()
         self.error: BaseException | None = None
         self.sync_backward = True                 # set by each forward (no_sync turns it off)
+        self.rounds = 0                           # synchronising backward passes ended
         self.unused = UnusedParameters(unused_group, n) if unused_group is not None else None
         self.writeback = self.unused.writeback if self.unused is not None else {}  # param -> owed (unused.py)
         self.first_use: list[int] = []
@@ -180,6 +181,7 @@ class ModelRuntime(Updates):
         """Parameters the forward pass did not use still take part: with zero gradients, or
         with find_unused_parameters=True as DDP does (bsrun/inject/unused.py).
         Inside a compiled call, whatever follows the backward is compiled code: settle."""
+        self.rounds += 1
         missing = [i for i in range(len(self.params)) if i not in self._seen_this_backward]
         self._seen_this_backward = set()
         if missing and self.unused is None:
@@ -230,8 +232,8 @@ class ModelRuntime(Updates):
             state.warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
                        f"({self.partition_bytes} B, {self.credit_bytes} B); every rank uses rank 0's")
         self.fifo_order = transfer_order("fifo", forward, self.names, None)
-        self.adapter.started()
-        self._lay_out(self.configured_order)
+        self.adapter.started()  # it may start from the point an earlier run learned
+        self._lay_out(self._order_named(self.order_name))
 
     def _lay_out(self, order: list[int]) -> None:
         """Partitions of `partition_bytes` in `order`, and a scheduler for them."""
@@ -257,7 +259,10 @@ class ModelRuntime(Updates):
             self.retired_stats[key] = self.retired_stats.get(key, 0) + value
         self.partition_bytes, self.credit_bytes, self.proxy = point.partition, point.credit_bytes, point.proxy
         self.order_name = point.order
-        self._lay_out(self.fifo_order if point.order == "fifo" else self.configured_order)
+        self._lay_out(self._order_named(point.order))
+
+    def _order_named(self, name: str) -> list[int]:
+        return self.fifo_order if name == "fifo" else self.configured_order
 
     def _transfer_order(self, forward: list[int]) -> list[int]:
         """--order's priority; rank 0's wins at agreement."""

@@ -159,10 +159,6 @@ def count_step() -> int:
     return _COUNTS["steps"]
 
 
-def steps_taken() -> int:
-    return _COUNTS["steps"]
-
-
 def step_finished(number: int) -> None:
     """After step() number `number` returned to the script's side of bsrun."""
     for listener in list(STEP_LISTENERS):

@@ -11,6 +11,7 @@ Two kinds of launch:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 import bsrun
-from bsrun.config import (ACTIVE_ENV, LAUNCHER_PID_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV,
+from bsrun.config import (ACTIVE_ENV, ADAPT_START_ENV, LAUNCHER_PID_ENV, PACKAGE_ROOT_ENV, PS_ADDR_ENV, PS_PORT_ENV, PS_RANK_ENV,
                           PS_SERVERS_ENV, PS_WORKERS_ENV, REPORT_DIR_ENV, WORKER_PID_ENV, SchedConfig)
 from bsrun.errors import BsrunError
 from bsrun.inject import SITE_DIR
@@ -107,6 +108,7 @@ class LaunchPlan:
     report_dir: Path | None = None  # made by the agent at launch time
     network: NetworkSpec | None = None  # emulated hosts, one per rank
     ps_port: int = 0  # --arch ps: the port of server 0's store
+    adapt_start: dict | None = None  # the point an earlier run of this job learned (adaptation starts there)
 
     @property
     def servers(self) -> int:
@@ -128,6 +130,9 @@ class LaunchPlan:
         if self.report_dir is not None:
             env[REPORT_DIR_ENV] = str(self.report_dir)
         env.update(self.config.to_env())
+        env.pop(ADAPT_START_ENV, None)
+        if self.adapt_start is not None and self.config.adapt:
+            env[ADAPT_START_ENV] = json.dumps(self.adapt_start, sort_keys=True)
         return env
 
     def rank_env(self, rank: int) -> dict[str, str]:

@@ -49,6 +49,15 @@ class Point:
         return asdict(self)
 
 
+def describe_point(point: dict) -> str:
+    """`partition 4 MiB, credit 8 MiB, order forward, per-layer waits` from a point's dict."""
+    def size(n: int) -> str:
+        return "unlimited" if n >= UNLIMITED else "whole tensors" if n == 0 else f"{n / 2**20:g} MiB"
+    waits = "per-layer waits" if point["proxy"] else "waits at step()"
+    return (f"partition {size(point['partition'])}, credit {size(point['credit_bytes'])}, "
+            f"order {point['order']}, {waits}")
+
+
 @dataclass(frozen=True)
 class Fixed:
     """What the user fixed (flag, file or environment): every candidate keeps it."""
@@ -117,8 +126,11 @@ class Decision:
 class Explorer:
     """Rank 0's search. `window_done(step_times, transfers)` at every window's end."""
 
-    def __init__(self, incumbent: Point, fixed: Fixed):
+    def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = ()):
+        """`others`: points tried in every search besides the fitted and unscheduled-like
+        ones (the configured point, when a learned one is the incumbent)."""
         self.fixed = fixed
+        self.others = list(others)
         self.current = incumbent
         self.kept: Point = incumbent
         self.kept_median: float | None = None
@@ -129,7 +141,7 @@ class Explorer:
 
     def start(self) -> Decision:
         """Before the first window: time the incumbent and gather its transfers."""
-        return Decision(None, "explore: the configured point", None, trace=True)
+        return Decision(None, "explore: timing the starting point", None, trace=True)
 
     def window_done(self, step_times: Sequence[float], transfers: Sequence[tuple[int, float]]) -> Decision:
         median = statistics.median(step_times) if step_times else None
@@ -150,7 +162,7 @@ class Explorer:
         if median is not None:
             self.timed[self.current] = median
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
-            candidates = [fitted_point(fit_link(transfers), self.current), unscheduled_like()]
+            candidates = [fitted_point(fit_link(transfers), self.current), unscheduled_like(), *self.others]
             for point in candidates:
                 if point is not None:
                     point = self.fixed.apply(point)
@@ -158,9 +170,15 @@ class Explorer:
                         self.queue.append(point)
         if self.queue:
             self.current = self.queue.pop(0)
-            return Decision(self.current, "explore: " + ("the unscheduled-like point" if not self.current.proxy
-                                                         else "the point fitted to the measured link"), median)
+            return Decision(self.current, "explore: " + self._name(self.current), median)
         return self._keep(median)
+
+    def _name(self, point: Point) -> str:
+        if point == self.fixed.apply(unscheduled_like()):
+            return "the unscheduled-like point"
+        if point in self.others:
+            return "the configured point"
+        return "the point fitted to the measured link"
 
     def _keep(self, median: float | None) -> Decision:
         incumbent = self.kept
