@@ -33,12 +33,15 @@ from bsrun.launch.summary import rank_modes, read_last_run
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
-MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound")  # the worker's
+MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound", "overlap")  # the worker's
 ORDERS = ("forward", "tic", "tac", "fifo")
-# The bench's modes: the worker's, "ps" (parameter servers unscheduled: each tensor whole,
-# as it becomes ready, no credit limit) and "bsrun:ORDER" (bsrun with that --order).
-BENCH_MODES = (*MODES, "ps", *(f"bsrun:{o}" for o in ORDERS))
-SCHEDULED_MODES = ("bsrun", "bsrun-horovod", "ps", *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
+# The bench's modes: the worker's, "bsrun-fixed" (bsrun's defaults without adaptation),
+# "ps" (parameter servers unscheduled: each tensor whole, as it becomes ready, no credit
+# limit) and "bsrun:ORDER" (bsrun with that --order).
+BENCH_MODES = (*MODES, "bsrun-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS))
+SCHEDULED_MODES = ("bsrun", "bsrun-fixed", "bsrun-horovod", "ps",
+                   *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
+ADAPTING_MODES = ("bsrun",)  # bsrun's defaults, adaptation included; other scheduled modes: --no-adapt
 BASELINES = ("ddp", "horovod", "ps")  # each mode's speed is also given relative to these
 PS_BASELINE = ["--order", "fifo", "--partition", "tensor"]  # and the default credit: unlimited then
 TAIL_LINES = 20
@@ -77,10 +80,10 @@ def _tail(text: str, lines: int = TAIL_LINES) -> str:
 
 
 def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) -> list[str]:
-    """bsrun's flags for a mode: its scheduling, order and, with --arch ps, the servers."""
+    """bsrun's flags for a mode: its scheduling, adaptation, order and, with --arch ps, the servers."""
     if mode not in SCHEDULED_MODES:
         return ["--no-schedule"]
-    flags = ["--schedule"]
+    flags = ["--schedule"] if mode in ADAPTING_MODES else ["--schedule", "--no-adapt"]
     if mode == "ps" or (arch == "ps" and mode != "bsrun-horovod"):  # Horovod stays on its all-reduce
         flags += ["--arch", "ps", "--servers", str(servers)]
     if mode == "ps":
@@ -99,7 +102,8 @@ def worker_mode(mode: str) -> str:
 def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
                 warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
                 profile: Path | None = None) -> list[str]:
-    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled."""
+    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only
+    "bsrun" adapts."""
     args = arch_flags(mode, arch, servers, profile)
     if bandwidth is not None:
         args += ["--emulate-bandwidth", bandwidth]
@@ -138,7 +142,11 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
     """One record per mode: medians over all steps of all repeats, ratios within the group.
 
     spread is [min, max] of the per-repeat medians: how far one run can land from
-    another, which is what decides whether a ratio is real.
+    another, which is what decides whether a ratio is real. attainable_gain is the
+    group's (ddp - bound) / ddp: the share of DDP's step a schedule could remove at
+    most (None without both; zero or below only when noise put the bound at or above
+    ddp); captured is (ddp - mode) / (ddp - bound): how much of that gain the mode took
+    (0: none, 1: all; None without a positive attainable gain).
     """
     medians: dict[str, float] = {}
     records = []
@@ -162,14 +170,25 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "step_iqr_s": quartiles[2] - quartiles[0] if quartiles else None,
             "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
+            # the bound's two parts (median over the same steps), None for the other modes
+            "compute_part_s": _median_of(ok, "compute_times"), "comm_part_s": _median_of(ok, "comm_times"),
             "errors": [r.error.splitlines()[0] for r in failed],
         })
+    gain = (medians["ddp"] - medians["bound"]) / medians["ddp"] if {"ddp", "bound"} <= medians.keys() else None
     for rec in records:
         m = rec["median_step_s"]
         for base in BASELINES:
             rec[f"speedup_vs_{base}"] = medians[base] / m if m is not None and base in medians else None
         rec["efficiency"] = medians["bound"] / m if m is not None and "bound" in medians else None
+        rec["attainable_gain"] = gain
+        rec["captured"] = ((medians["ddp"] - m) / (medians["ddp"] - medians["bound"])
+                           if gain is not None and gain > 0 and m is not None else None)
     return records
+
+
+def _median_of(runs: list[RunResult], key: str) -> float | None:
+    values = [t for r in runs for t in r.info.get(key, [])]
+    return statistics.median(values) if values else None
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -177,7 +196,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def bench_table(model: str, records: list[dict]) -> Table:
-    """One table per model; rows are bandwidth x mode."""
+    """One table per model; rows are bandwidth x mode, a section per bandwidth (whose
+    attainable gain is given once, on its first row)."""
     first = next((r for r in records if r["params"] is not None), records[0])
     title = model
     if first["params"] is not None:
@@ -185,17 +205,23 @@ def bench_table(model: str, records: list[dict]) -> Table:
                   f"of gradients, batch {first['batch']} per rank, {first['world_size']} ranks")
     table = Table(title=title, caption="step: median over all timed steps of all repeats; "
                   "spread: min-max of per-repeat medians; step IQR: interquartile range of all the "
-                  "steps (TicTac's straggler measure); efficiency: bound / mode")
+                  "steps (TicTac's straggler measure); efficiency: bound / mode; attainable: "
+                  "(ddp - bound) / ddp, the most a schedule can take off DDP's step; captured: "
+                  "(ddp - mode) / (ddp - bound)")
     bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
     for col in ("bandwidth", "mode", "step (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
-                "efficiency", "repeats"):
+                "efficiency", "attainable", "captured", "repeats"):
         table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
-    for r in records:
+    for i, r in enumerate(records):
+        first = i == 0 or records[i - 1]["bandwidth"] != r["bandwidth"]
+        last = i == len(records) - 1 or records[i + 1]["bandwidth"] != r["bandwidth"]
         spread = "-" if r["spread"] is None else f"{r['spread'][0]:.4g}-{r['spread'][1]:.4g}"
         repeats = f"{r['repeats']}/{r['repeats'] + r['failed_repeats']}"
         speedups = [_fmt(r[f"speedup_vs_{b}"], ".2f") + ("x" if r[f"speedup_vs_{b}"] else "") for b in bases]
         table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
-                      spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"), repeats)
+                      spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"),
+                      _fmt(r["attainable_gain"], ".0%") if first else "", _fmt(r["captured"], ".0%"),
+                      repeats, end_section=last and i < len(records) - 1)
     return table
 
 
@@ -239,9 +265,11 @@ def profile_args(folder: Path, model: str, mode: str, bandwidth: str | None, ste
 
 def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
                     arch: str, servers: int) -> Path:
-    """`bsrun:tac` orders by a profile of the same job on the same network: made first."""
+    """`bsrun:tac` orders by a profile of the same job on the same network: made first,
+    without adaptation (bsrun-fixed), so its recorded steps are of the configuration
+    `bsrun:tac` runs, not of adaptation's trials."""
     folder = cwd / f"profile-{model}-{bandwidth or 'loopback'}"
-    args = profile_args(folder, model, "bsrun", bandwidth, 100, 2, batch, cwd / "profile-run.json",
+    args = profile_args(folder, model, "bsrun-fixed", bandwidth, 100, 2, batch, cwd / "profile-run.json",
                         record_steps=4, nproc=nproc, arch=arch, servers=servers)
     code, output = child.run(args, run_timeout_s(6, 2), STOP_GRACE_S, cwd=cwd)
     if code != 0:
