@@ -24,11 +24,19 @@ import torch
 from conftest import (WORKERS, assert_same_state, assert_scheduled, bsrun_env, bsrun_namespaces,
                       last_run, run_bsrun)
 
-WINDOW = 4  # optimizer steps each candidate is timed over (the step after a switch not counted)
+from bsrun.config import UNLIMITED_CREDIT
+from bsrun.sched.adaptive import DRIFT_WINDOWS, WARMUP_STEPS, WINDOW
+
 POINT_KEYS = {"partition", "credit_bytes", "order", "proxy"}
 DDP_LIKE_PARTITION = 25 * 2**20
-CONFIGURED = ["--partition", "1MiB", "--credit", "2x", "--timeout", "60"]  # ~9 partitions a step
-STEPS = 32
+# The configured point, the fitted one and the DDP-like one are timed one window each and
+# one is kept at the next boundary: by step WARMUP_STEPS + 3 * WINDOW (14). The run ends
+# before a drift re-check could start even after the earliest keep (WARMUP_STEPS + 2 *
+# WINDOW, 10; then DRIFT_WINDOWS windows off): a load change on a shared machine, which a
+# re-check rightly answers, cannot leave the run "exploring" at its end.
+STEPS = WARMUP_STEPS + 4 * WINDOW + 2
+assert WARMUP_STEPS + 3 * WINDOW < STEPS < WARMUP_STEPS + (2 + DRIFT_WINDOWS) * WINDOW
+TIMEOUT = ["--timeout", "60"]  # every other knob bsrun's default: adaptation may vary them all
 
 
 # ---------------------------------------------------------------- helpers
@@ -84,18 +92,20 @@ def assert_same_switches(summary: dict) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdir, opt):
-    """Adaptation is on by default and exact through its switches. 32 steps of a 4-layer
-    MLP (two 2.4 MB layers, ~9 partitions of 1 MiB a step) with SGD+momentum or Adam, under
-    `bsrun --partition 1MiB` and under `bsrun --no-schedule` (plain DDP): every rank ends
-    with the same model, optimizer state, gradients and losses as plain DDP (rtol 1e-5),
-    so no switch of partition, order, credit or proxy lost, doubled or reordered an update.
-    The summary shows both ranks scheduled, at least 3 switches that are identical on both
-    ranks (same steps, same points), each tried candidate given at least a window of steps,
-    a switch to the DDP-like point (25 MiB, fifo, synchronised at step(): proxy False),
-    and exploration ended: settled on the point of its "keep" switch."""
-    plain, plain_summary = train(workdir, "plain", ["--no-schedule", "--timeout", "60"], opt)
+    """Adaptation is on by default and exact through its switches. 20 steps of a 5-layer
+    MLP (three 4.2 MB layers, 4 partitions a step at the default 4 MiB) with SGD+momentum or
+    Adam, under `bsrun` (default knobs) and under `bsrun --no-schedule` (plain DDP): every
+    rank ends with the same model, optimizer state, gradients and losses as plain DDP (rtol
+    1e-5), so no switch of partition, order, credit or proxy lost, doubled or reordered an
+    update. The summary shows both ranks scheduled, at least 3 switches identical on both
+    ranks (same steps, same points), every tried candidate given a whole window of steps,
+    a switch to the DDP-like point (25 MiB, fifo, unlimited credit, synchronised at step():
+    proxy False), and the search ended settled on the point of its "keep", one it tried.
+    (Knobs given by flag stay fixed in every candidate, so this run gives none but
+    --timeout.)"""
+    plain, plain_summary = train(workdir, "plain", ["--no-schedule", *TIMEOUT], opt)
     assert {r.get("mode") for r in plain_summary["ranks"]} == {"off"}
-    sched, summary = train(workdir, "sched", CONFIGURED, opt)
+    sched, summary = train(workdir, "sched", TIMEOUT, opt)
     assert_scheduled(summary)
     for r in (0, 1):
         assert_same_state(sched[r], plain[r], f"rank {r}")
@@ -108,42 +118,39 @@ def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdi
         if before["why"].startswith("explore"):
             assert after["step"] - before["step"] >= WINDOW, \
                 f"a candidate was left before it was timed over {WINDOW} steps:\n{listing}"
-    assert any(s["why"].startswith("explore") for s in switches), f"no candidate explored:\n{listing}"
-    ddp_like = [s["point"] for s in switches if s["point"]["proxy"] is False]
+    tried = [s["point"] for s in switches if s["why"].startswith("explore")]
+    assert len(tried) >= 2, f"fewer than 2 candidates explored:\n{listing}"
+    ddp_like = [p for p in tried if p["proxy"] is False]
     assert ddp_like, f"never switched to the DDP-like point (proxy False):\n{listing}"
-    assert any(p["partition"] == DDP_LIKE_PARTITION and p["order"] == "fifo" for p in ddp_like), \
-        f"no proxy-False point is DDP's (25 MiB, fifo):\n{listing}"
+    assert any(p["partition"] == DDP_LIKE_PARTITION and p["order"] == "fifo"
+               and p["credit_bytes"] >= UNLIMITED_CREDIT for p in ddp_like), \
+        f"no proxy-False point is DDP's (25 MiB, fifo, unlimited credit):\n{listing}"
     keeps = [s for s in switches if s["why"].startswith("keep")]
     assert keeps, f"exploration never kept a point:\n{listing}"
-    tried = [s["point"] for s in switches if s["why"].startswith("explore")]
+    assert keeps[-1]["point"] in tried, f"the kept point is not one of the candidates tried:\n{listing}"
     for r in (0, 1):
         adapt = adapt_of(summary, r)
         assert adapt["state"] == "settled", f"rank {r} ended {adapt['state']!r}, not settled:\n{listing}"
         assert adapt["why_off"] is None, adapt
         assert adapt["point"] == keeps[-1]["point"], \
             f"rank {r} runs {adapt['point']}, not the point it kept:\n{listing}"
-    assert keeps[-1]["point"] in tried or is_configured(keeps[-1]["point"]), \
-        f"the kept point is neither a tried candidate nor the configured one:\n{listing}"
-
-
-def is_configured(point: dict) -> bool:
-    """CONFIGURED's point: 1 MiB, forward order, per-layer waits in the next forward."""
-    return (point["partition"], point["order"], point["proxy"]) == (2**20, "forward", True)
 
 
 @pytest.mark.slow
 def test_no_adapt_keeps_the_configured_point(workdir):
-    """`--no-adapt`: state "off" with a reason, no switch on any rank, the point as
-    configured (1 MiB, forward order, per-layer waits in the next forward), still scheduled
-    and still exactly plain DDP's parameters (compared on every rank)."""
-    plain, _ = train(workdir, "plain", ["--no-schedule", "--timeout", "60"], "sgd", steps=12)
-    sched, summary = train(workdir, "sched", ["--no-adapt", *CONFIGURED], "sgd", steps=12)
+    """`--no-adapt --partition 1MiB`: state "off" with a reason, no switch on any rank, the
+    point as given (1 MiB, forward order, per-layer waits in the next forward), still
+    scheduled and still exactly plain DDP's parameters (compared on every rank)."""
+    plain, _ = train(workdir, "plain", ["--no-schedule", *TIMEOUT], "sgd", steps=12)
+    sched, summary = train(workdir, "sched", ["--no-adapt", "--partition", "1MiB", *TIMEOUT], "sgd", steps=12)
     assert_scheduled(summary)
     for r in (0, 1):
         adapt = adapt_of(summary, r)
         assert adapt["state"] == "off" and adapt["switches"] == [], f"rank {r}: {adapt}"
         assert isinstance(adapt["why_off"], str) and adapt["why_off"], f"rank {r}: off without a reason: {adapt}"
-        assert is_configured(adapt["point"]), f"rank {r} does not run the configured point: {adapt['point']}"
+        point = adapt["point"]
+        assert (point["partition"], point["order"], point["proxy"]) == (2**20, "forward", True), \
+            f"rank {r} does not run the point as given: {point}"
         assert_same_state(sched[r], plain[r], f"rank {r}")
 
 
@@ -263,19 +270,22 @@ def kept_after(adapt, step: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.root
 @pytest.mark.skipif(needs_netns() is not None, reason=str(needs_netns()))
-def test_a_slower_network_mid_run_is_rechecked_and_moves_to_another_point(workdir):
+def test_a_slower_network_mid_run_is_rechecked_and_refitted(workdir):
     """Drift. Two emulated hosts on a 1 Gbit/s link, a communication-bound job (2.1 MB of
     gradients a step, light compute). Once the first exploration has settled (rank 0's own
     adapt state, which the worker writes after every step), the test, from the root
     namespace, slows both directions of both hosts' links to 50 Mbit/s (tc change of the
-    launcher's tbf). The step time then drifts far past 20%: the summary must show, on both
-    ranks alike, a "drift" switch after the change, then a switch to a point other than the
-    one kept before the change (the candidates re-fitted to the slow link and re-tried), and
-    a new "keep". The launcher removes its namespaces and links, our rate change with them."""
+    launcher's tbf). The step time then drifts far past the re-check's threshold: the
+    summary must show, on both ranks alike, a "drift" switch after the change, then a
+    switch to a point other than the one kept before the change and to one the first
+    exploration never tried (the candidates re-fitted to the slow link: a smaller fitted
+    partition), and a new "keep". Which point that keep picks is the feature's timing
+    decision (on a link this slow every point is bandwidth-bound), so it is not asserted.
+    The launcher removes its namespaces and links, our rate change with them."""
     job = Job(workdir)
     owner = job.proc.pid
     try:
-        before = job.wait_for("the first exploration settling", lambda s: settled(s["adapt"]), timeout=90)
+        job.wait_for("the first exploration settling", lambda s: settled(s["adapt"]), timeout=90)
         change_step = job.status()["step"]
         set_rate(owner, SLOW)
         after = job.wait_for("a drift re-check after the change that kept a point",
@@ -291,13 +301,11 @@ def test_a_slower_network_mid_run_is_rechecked_and_moves_to_another_point(workdi
     assert_scheduled(summary, context=err[-2000:])
     switches = assert_same_switches(summary)
     listing = show(switches)
-    kept_before = before["adapt"]["point"]
+    keeps_before = [s for s in switches if s["why"].startswith("keep") and s["step"] <= change_step]
+    assert keeps_before, f"no point kept before the rate changed at step {change_step}:\n{listing}"
+    kept_before = keeps_before[-1]["point"]
     drifts = [i for i, s in enumerate(switches) if s["why"].startswith("drift") and s["step"] > change_step]
     assert drifts, f"no drift re-check after the rate changed at step {change_step}:\n{listing}"
-    keeps_before = [s for s in switches[:drifts[0]] if s["why"].startswith("keep")]
-    assert keeps_before and keeps_before[-1]["point"] == kept_before, \
-        f"rank 0 ran {kept_before} when it settled (step {before['step']}), which the summary does not " \
-        f"show kept before the drift:\n{listing}"
     later = switches[drifts[0] + 1:]
     assert any(s["point"] != kept_before for s in later), \
         f"after the drift at step {switches[drifts[0]]['step']} no switch left the point kept before " \
@@ -306,3 +314,5 @@ def test_a_slower_network_mid_run_is_rechecked_and_moves_to_another_point(workdi
     assert any(s["point"] not in tried_before for s in later), \
         f"the re-check only re-tried the points of the first exploration (no re-fit):\n{listing}"
     assert any(s["why"].startswith("keep") for s in later), f"the re-check never kept a point:\n{listing}"
+    for r in (0, 1):
+        assert adapt_of(summary, r)["state"] == "settled", f"rank {r} did not end settled:\n{listing}"

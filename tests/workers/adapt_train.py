@@ -20,19 +20,20 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01),
 }
-IN, WIDTH, CLASSES = 64, 768, 10  # two 768x768 layers: 2.4 MB of gradient each
+IN, WIDTH, CLASSES = 64, 1024, 10  # three 1024x1024 layers of 4.2 MB: at bsrun's default 4 MiB, 4 partitions
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--opt", choices=OPTIMIZERS, required=True)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
     rank, data = start()
     model = nn.Sequential(nn.Linear(IN, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                          nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES))
+                          nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
+                          nn.Linear(WIDTH, CLASSES))
     net = DDP(model)
     opt = OPTIMIZERS[a.opt](net.parameters())
     losses = []
