@@ -93,7 +93,7 @@ def assert_same_switches(summary: dict) -> list[dict]:
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdir, opt):
     """Adaptation is on by default and exact through its switches. 20 steps of a 5-layer
-    MLP (three 4.2 MB layers, 4 partitions a step at the default 4 MiB) with SGD+momentum or
+    MLP (three 4.2 MB layers: several partitions a step at the default 4 MiB) with SGD+momentum or
     Adam, under `bsrun` (default knobs) and under `bsrun --no-schedule` (plain DDP): every
     rank ends with the same model, optimizer state, gradients and losses as plain DDP (rtol
     1e-5), so no switch of partition, order, credit or proxy lost, doubled or reordered an

@@ -20,7 +20,7 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01),
 }
-IN, WIDTH, CLASSES = 64, 1024, 10  # three 1024x1024 layers of 4.2 MB: at bsrun's default 4 MiB, 4 partitions
+IN, WIDTH, CLASSES = 64, 1024, 10  # three 1024x1024 layers of 4.2 MB: several partitions at the default 4 MiB
 
 
 def main():
