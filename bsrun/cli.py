@@ -196,8 +196,10 @@ def _csv(values: str) -> list[str]:
 @click.option("--bandwidth", "bandwidths", default="none", show_default=True,
               help="emulated link rate(s), comma-separated (1gbit,3gbit); 'none' = unshaped loopback; root")
 @click.option("--modes", default="ddp,bsrun,bound", show_default=True,
-              help="comma-separated, from ddp, bsrun, horovod, bsrun-horovod, compute, comm, bound, "
-                   "ps (parameter servers unscheduled) and bsrun:ORDER (forward, tic, tac, fifo)")
+              help="comma-separated, from ddp, bsrun (adapting), bsrun-fixed (--no-adapt), horovod, "
+                   "bsrun-horovod, compute, comm, bound (max of compute alone and comm alone, per step), "
+                   "overlap (both at once in two threads), ps (parameter servers unscheduled) and "
+                   "bsrun:ORDER (forward, tic, tac, fifo)")
 @click.option("--arch", default="allreduce", show_default=True,
               help="ps: bsrun's modes push to parameter servers (ps: the unscheduled PS baseline)")
 @click.option("--servers", type=int, default=1, show_default=True, help="parameter servers with --arch ps")

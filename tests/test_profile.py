@@ -111,7 +111,9 @@ def test_the_summary_tables_and_timeline_tell_the_same_story(scheduled):
     for row in summary["iterations"]:
         assert 0 < row["compute_ms"] <= row["step_ms"] * 1.001
         assert 0 < row["comm_ms"] and 0 <= row["overlap_pct"] <= 100
-        assert row["bound_ms"] == pytest.approx(max(row["compute_ms"], row["comm_ms"]))
+        ranks = list(row["per_rank"].values())  # a row averages the ranks: the bound is each rank's
+        assert all(r["bound_ms"] == pytest.approx(max(r["compute_ms"], r["comm_ms"])) for r in ranks)
+        assert row["bound_ms"] == pytest.approx(sum(r["bound_ms"] for r in ranks) / len(ranks))
     for row in summary["layers"]:
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0 and row["comm_ms"] > 0
     assert summary["layers"][3]["bytes"] == (512 * 256 + 256) * 4  # head.0: Linear(512, 256)

@@ -71,6 +71,9 @@ def overhead(models, bandwidth, modes, steps, warmup, repeat, batch, console) ->
     return rows
 
 
+COMPARED = ("ddp", "bsrun-fixed")  # what-if replays one fixed point: adaptation stays off
+
+
 def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, console, keep=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bsrun-calibrate-") as scratch:
@@ -78,9 +81,9 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
         for model in models:
             for bandwidth in bandwidths:
                 measured = {r["mode"]: r["median_step_s"] for r in
-                            run_bench([model], 2, [bandwidth], ["ddp", "bsrun"], steps, warmup, repeat, batch,
+                            run_bench([model], 2, [bandwidth], list(COMPARED), steps, warmup, repeat, batch,
                                       None, console)}
-                for source in ("ddp", "bsrun"):
+                for source in COMPARED:
                     folder = Path(keep or cwd) / f"prof-{model}-{bandwidth}-{source}"
                     out = cwd / "unused.json"
                     args = profile_args(folder, model, source, bandwidth, 10000, warmup, batch, out, record_steps)
@@ -91,9 +94,9 @@ def validate(models, bandwidths, steps, warmup, repeat, batch, record_steps, con
                         console.print(f"{model} {bandwidth} profile of {source} failed: {e}", markup=False)
                         continue
                     p = model_fit.profiled
-                    for target in ("ddp", "bsrun"):
+                    for target in COMPARED:
                         predicted = whatif.predict(model_fit, p["partition"] or 4 * 2 ** 20,
-                                                   p["credit"] or 8 * 2 ** 20, target == "bsrun")
+                                                   p["credit"] or 8 * 2 ** 20, target != "ddp")
                         m = measured.get(target)
                         rows.append({"model": model, "bandwidth": bandwidth, "profiled": source, "predicted_mode": target,
                                      "profile": str(folder),

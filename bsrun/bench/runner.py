@@ -30,6 +30,7 @@ from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
 from bsrun.launch.summary import rank_modes, read_last_run
+from bsrun.sched.adaptive import SEARCH_STEPS
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
@@ -103,10 +104,13 @@ def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps:
                 warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
                 profile: Path | None = None) -> list[str]:
     """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only
-    "bsrun" adapts."""
+    "bsrun" adapts, and its warm-up has SEARCH_STEPS more steps: the bench compares steady
+    states, and the search's one-time cost is the adaptation's own figure."""
     args = arch_flags(mode, arch, servers, profile)
     if bandwidth is not None:
         args += ["--emulate-bandwidth", bandwidth]
+    if mode == "bsrun":  # its timed steps start where its first search has settled
+        warmup += SEARCH_STEPS
     args += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
              "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
     if batch is not None:
@@ -288,7 +292,7 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
     """
     models, modes, bandwidths = list(models), list(modes), list(bandwidths) or [None]
     _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, arch, servers)
-    timeout = run_timeout_s(steps, warmup)
+    timeout = run_timeout_s(steps, warmup + SEARCH_STEPS)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bsrun-bench-") as scratch:
         # Runs happen in a scratch folder: their .bsrun/ summaries do not overwrite the

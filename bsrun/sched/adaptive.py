@@ -32,6 +32,7 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
+SEARCH_STEPS = WARMUP_STEPS + 3 * WINDOW  # a first search of three points, to the step that keeps one
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 MIN_PARTITION, MAX_PARTITION = 64 * 2**10, 64 * 2**20
@@ -119,7 +120,7 @@ def service_times(events: Sequence[tuple[int, float, float]]) -> list[tuple[int,
 class Decision:
     point: Point | None      # switch to it at this boundary; None: stay
     why: str
-    median_s: float | None   # the measurement behind the decision
+    median_s: float | None   # the kept point's median (keep), else that of the window just ended
     trace: bool = False      # collect transfers for a fit during the next window
 
 
@@ -189,6 +190,6 @@ class Explorer:
         times = ", ".join(f"{t:.4g}" for t in self.timed.values())
         why = f"keep: fastest median step {self.timed[best]:.4g} s of {times}"
         if best == self.current:
-            return Decision(None, why, median)
+            return Decision(None, why, self.timed[best])
         self.current = best
-        return Decision(best, why, median)
+        return Decision(best, why, self.timed[best])

@@ -1,0 +1,83 @@
+"""Online adaptation's decisions (bsrun/sched/adaptive.py), pure: the link fit, the fitted
+point, and the Explorer's search, keep and drift on scripted step times. The protocol
+across ranks and exactness through switches are tests/test_adapt.py's."""
+
+import pytest
+
+from bsrun.sched.adaptive import (DDP_BUCKET_BYTES, DRIFT_WINDOWS, KEEP_MARGIN, MAX_PARTITION, MIN_PARTITION,
+                                  UNLIMITED, Explorer, Fixed, Point, fit_link, fitted_point, service_times,
+                                  unscheduled_like)
+
+START = Point(4 * 2**20, 8 * 2**20, "forward", True)
+
+
+def link_samples(fixed_s, bandwidth, sizes):
+    return [(b, fixed_s + b / bandwidth) for b in sizes]
+
+
+def test_the_link_fit_recovers_fixed_cost_and_bandwidth():
+    fixed, bandwidth = fit_link(link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20, 2**18]))
+    assert fixed == pytest.approx(1e-3) and bandwidth == pytest.approx(1.25e8)
+    # equal sizes cannot separate the two: a small fixed cost is assumed, the rate still follows
+    fixed, bandwidth = fit_link(link_samples(1e-3, 1.25e8, [2**20] * 5))
+    assert 0 < fixed <= 1e-3 and bandwidth == pytest.approx(2**20 / (1e-3 + 2**20 / 1.25e8 - fixed))
+    assert fit_link([(2**20, 0.01)] * 2) is None
+
+
+def test_the_fitted_partition_grows_with_the_bandwidth_and_stays_in_range():
+    slow = fitted_point((1e-3, 6.25e6), START)     # 50 Mbit/s
+    fast = fitted_point((1e-3, 1.25e9), START)     # 10 Gbit/s
+    assert MIN_PARTITION <= slow.partition < fast.partition <= MAX_PARTITION
+    assert fast.credit_bytes == 2 * fast.partition and fast.proxy
+    assert fitted_point((1.0, 1e12), START).partition == MAX_PARTITION
+    assert fitted_point(None, START) is None
+
+
+def test_service_times_count_from_the_previous_finish_on_one_channel():
+    assert service_times([(10, 0.0, 1.0), (20, 0.5, 3.0), (30, 5.0, 6.0)]) == [(10, 1.0), (20, 2.0), (30, 1.0)]
+
+
+def search(explorer, times_of, transfers):
+    """Drive a whole first search; the decisions in order."""
+    decisions = [explorer.start()]
+    while explorer.searching:
+        decisions.append(explorer.window_done([times_of(explorer.current)] * 3, transfers))
+    return decisions
+
+
+def test_the_search_tries_the_fitted_and_unscheduled_like_points_and_keeps_the_fastest():
+    transfers = link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20])
+    explorer = Explorer(START, Fixed())
+    decisions = search(explorer, lambda p: 0.5 if not p.proxy else 1.0, transfers)
+    tried = [d.point for d in decisions if d.point is not None and d.why.startswith("explore")]
+    assert unscheduled_like() in tried and any(p.proxy and p != START for p in tried)
+    assert decisions[-1].why.startswith("keep") and explorer.kept == unscheduled_like()
+    assert decisions[-1].median_s == 0.5  # the kept point's; tried last, so no switch is needed
+    assert decisions[-1].point is None and explorer.current == unscheduled_like()
+    assert unscheduled_like() == Point(DDP_BUCKET_BYTES, UNLIMITED, "fifo", False)
+
+
+def test_the_starting_point_is_left_only_for_a_clearly_faster_one():
+    explorer = Explorer(START, Fixed())
+    decisions = search(explorer, lambda p: 1.0 if p == START else 1.0 - KEEP_MARGIN / 2, [])
+    assert explorer.kept == START and decisions[-1].point == START  # switched back to it
+
+
+def test_knobs_the_user_fixed_stay_fixed_in_every_point():
+    start = Point(2**20, 2 * 2**20, "forward", True)
+    explorer = Explorer(start, Fixed(partition=2**20))
+    decisions = search(explorer, lambda p: 1.0 if p == start else 0.5, link_samples(1e-3, 1.25e9, [2**16, 2**20, 4 * 2**20]))
+    tried = [d.point for d in decisions if d.point is not None]
+    assert len(tried) >= 2 and all(p.partition == 2**20 for p in tried) and explorer.kept != start
+
+
+def test_a_lasting_drift_starts_a_new_search_and_a_blip_does_not():
+    explorer = Explorer(START, Fixed())
+    search(explorer, lambda p: 1.0 if p == START else 2.0, [])
+    assert explorer.kept == START
+    for _ in range(5):  # one slow window at a time: noise
+        assert explorer.window_done([3.0] * 3, []).why == "steady"
+        assert explorer.window_done([1.0] * 3, []).why == "steady"
+    decisions = [explorer.window_done([3.0] * 3, []) for _ in range(DRIFT_WINDOWS)]
+    assert decisions[-1].why.startswith("drift") and decisions[-1].trace and explorer.searching
+    assert all(d.why == "steady" for d in decisions[:-1])
