@@ -31,6 +31,7 @@ def test_the_fitted_partition_grows_with_the_bandwidth_and_stays_in_range():
     assert fast.credit_bytes == 2 * fast.partition and fast.proxy
     assert fitted_point((1.0, 1e12), START).partition == MAX_PARTITION
     assert fitted_point(None, START) is None
+    assert fitted_point((1e-3, 6.25e6), START, model_bytes=512 * 2**20).partition == 4 * 2**20  # 128 a step
 
 
 def test_service_times_count_from_the_previous_finish_on_one_channel():

@@ -81,7 +81,8 @@ class Adapter:
         if start is not None and start != configured:
             rt.partition_bytes, rt.credit_bytes, rt.order_name, rt.proxy = (
                 start.partition, start.credit_bytes, start.order, start.proxy)
-        self.explorer = Explorer(self.point(), fixed, others=[configured])
+        self.explorer = Explorer(self.point(), fixed, others=[configured],
+                                 model_bytes=sum(p.nbytes for p in rt.params))
         self.next_decision = WARMUP_STEPS
         state.STEP_LISTENERS.append(self.on_step)
 

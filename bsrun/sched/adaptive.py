@@ -11,7 +11,8 @@ waits for everything (as plain DDP does at the end of backward). The candidates:
 - the incumbent: the configured point (or the one a previous run or `bsrun tune` left);
 - the fitted point: from the run's own transfers a per-partition fixed cost `a` and a
   bandwidth `B` (service time = a + bytes / B); the partition that keeps `a` to a tenth of
-  a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB), credit 2x;
+  a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB, and at
+  most MAX_PARTITIONS a step), credit 2x;
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
   per-layer wait, so that bsrun can always fall back to what plain DDP does.
 Each is timed for one window (its first step, which pays the switch, is not timed); the
@@ -36,6 +37,7 @@ SEARCH_STEPS = WARMUP_STEPS + 3 * WINDOW  # a first search of three points, to t
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 MIN_PARTITION, MAX_PARTITION = 64 * 2**10, 64 * 2**20
+MAX_PARTITIONS = 128  # a fitted point has at most this many partitions a step (a window at it stays cheap)
 FALLBACK_FIXED_COST_S = 5e-4  # when the transfers cannot separate fixed cost from bandwidth
 
 
@@ -94,11 +96,13 @@ def fit_link(transfers: Sequence[tuple[int, float]]) -> tuple[float, float] | No
     return (fixed, statistics.median(rates)) if rates else None
 
 
-def fitted_point(link: tuple[float, float] | None, incumbent: Point) -> Point | None:
+def fitted_point(link: tuple[float, float] | None, incumbent: Point, model_bytes: int = 0) -> Point | None:
+    """The point for a link of this fixed cost and bandwidth; `model_bytes`: the gradient
+    bytes of one step, which bound the number of partitions."""
     if link is None:
         return None
     fixed, bandwidth = link
-    target = min(max(9 * fixed * bandwidth, MIN_PARTITION), MAX_PARTITION)
+    target = min(max(9 * fixed * bandwidth, MIN_PARTITION, model_bytes / MAX_PARTITIONS), MAX_PARTITION)
     partition = MIN_PARTITION
     while partition * 2 <= target:
         partition *= 2
@@ -127,10 +131,12 @@ class Decision:
 class Explorer:
     """Rank 0's search. `window_done(step_times, transfers)` at every window's end."""
 
-    def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = ()):
+    def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = (), model_bytes: int = 0):
         """`others`: points tried in every search besides the fitted and unscheduled-like
-        ones (the configured point, when a learned one is the incumbent)."""
+        ones (the configured point, when a learned one is the incumbent); `model_bytes`:
+        the gradient bytes of one step."""
         self.fixed = fixed
+        self.model_bytes = model_bytes
         self.others = list(others)
         self.current = incumbent
         self.kept: Point = incumbent
@@ -163,7 +169,7 @@ class Explorer:
         if median is not None:
             self.timed[self.current] = median
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
-            candidates = [fitted_point(fit_link(transfers), self.current), unscheduled_like(), *self.others]
+            candidates = [fitted_point(fit_link(transfers), self.current, self.model_bytes), unscheduled_like(), *self.others]
             for point in candidates:
                 if point is not None:
                     point = self.fixed.apply(point)
