@@ -16,6 +16,7 @@ from rich.console import Console
 from bsrun.bench.runner import MODES, RunResult, bench_table, launch_args, run_bench, run_once, summarise
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
+from bsrun.sched.adaptive import SEARCH_STEPS
 
 REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "spread", "speedup_vs_ddp",
             "efficiency", "attainable_gain", "captured", "compute_part_s", "comm_part_s", "repeats", "steps"}
@@ -136,9 +137,12 @@ def test_only_bsrun_adapts_and_every_other_scheduled_mode_is_fixed(tmp_path):
         assert flags(fixed)[:2] == ["--schedule", "--no-adapt"], fixed
     for plain in ("ddp", "horovod", "compute", "comm", "bound", "overlap"):
         assert flags(plain) == ["--no-schedule"], plain  # adaptation is part of scheduling
-    fixed = args("bsrun-fixed")  # the same worker and script as bsrun: only the launcher differs
+    fixed, adapting = args("bsrun-fixed"), args("bsrun")  # the same worker and script as bsrun
     assert fixed[fixed.index("--mode") + 1] == "bsrun"
-    assert fixed[fixed.index("-np"):] == args("bsrun")[args("bsrun").index("-np"):]
+    warmup = fixed.index("--warmup") + 1  # bsrun's timed steps start after its first search
+    assert int(adapting[warmup]) == int(fixed[warmup]) + SEARCH_STEPS
+    assert [a for i, a in enumerate(fixed) if i != warmup][fixed.index("-np"):] == \
+        [a for i, a in enumerate(adapting) if i != warmup][adapting.index("-np"):]
 
 
 def test_attainable_gain_and_captured_are_shares_of_ddp_to_bound():

@@ -30,7 +30,7 @@ from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
 from bsrun.launch.summary import rank_modes, read_last_run
-from bsrun.sched.adaptive import SEARCH_STEPS
+from bsrun.sched.adaptive import SEARCH_STEPS, describe_point
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
@@ -73,6 +73,7 @@ class RunResult:
     info: dict = field(default_factory=dict)  # the worker's JSON
     launched_as: str | None = None  # what the launcher's summary says the ranks ran as
     error: str | None = None
+    kept: str | None = None  # the point rank 0's adaptation kept (mode bsrun)
 
 
 def _tail(text: str, lines: int = TAIL_LINES) -> str:
@@ -132,13 +133,16 @@ def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -
         times = [float(t) for t in info["step_times"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunResult(mode, error=f"left no valid result in {out} ({e})\n{_tail(output)}")
-    return RunResult(mode, times, info, _launched_as(cwd))
-
-
-def _launched_as(cwd: Path) -> str | None:
-    """'scheduled', 'fallback' or 'off', from the summary bsrun leaves in its folder."""
     run = read_last_run(cwd)
-    return "/".join(rank_modes(run)) if run else None
+    return RunResult(mode, times, info, "/".join(rank_modes(run)) if run else None, kept=_kept_point(run))
+
+
+def _kept_point(run: dict | None) -> str | None:
+    """From the summary bsrun leaves in its folder: the point rank 0's adaptation ended on."""
+    adapt = next((r.get("adapt") for r in (run or {}).get("ranks", []) if r.get("rank") == 0), None)
+    if not adapt or adapt.get("state") == "off":
+        return None
+    return f"{describe_point(adapt['point'])} ({adapt['state']})"
 
 
 def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
@@ -174,6 +178,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "step_iqr_s": quartiles[2] - quartiles[0] if quartiles else None,
             "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
+            "kept_points": [r.kept for r in ok if r.kept],  # adaptation's, one per repeat
             # the bound's two parts (median over the same steps), None for the other modes
             "compute_part_s": _median_of(ok, "compute_times"), "comm_part_s": _median_of(ok, "comm_times"),
             "errors": [r.error.splitlines()[0] for r in failed],
@@ -323,6 +328,9 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                     atomic_write_json(Path(json_path), {"results": results})
             console.print(bench_table(model, model_records))
             for rec in model_records:
+                for point in rec["kept_points"]:
+                    console.print(f"{model} {rec['bandwidth'] or 'loopback'} {rec['mode']}: adaptation kept "
+                                  f"{point}", highlight=False, markup=False)
                 if rec["mode"] in SCHEDULED_MODES and rec["launched_as"] not in ([], ["scheduled"]):
                     console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
                                   f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)
