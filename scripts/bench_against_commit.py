@@ -5,7 +5,7 @@
 
 What a change costs the scheduled run (e.g. the exactness guards of issue 15): the other
 commit is checked out into a temporary git worktree; for each repeat and model, one
-`python -m bsrun bench --modes ddp,bsrun --repeat 1` runs from each tree in turn (this
+`python -m bsrun bench --modes ddp,MODE --repeat 1` runs from each tree in turn (this
 tree first on even repeats, the other first on odd ones), so drift on the machine hits
 both alike. Each bench run also measures plain DDP, the same code in both trees: its
 ratio between the trees says how much of a difference is the machine. Prints per model
@@ -26,16 +26,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 
 
-def bench_once(tree: Path, model: str, bandwidth: str, steps: int, warmup: int, out: Path) -> dict[str, float]:
-    """One `bsrun bench` run from `tree`: {mode: median step (s)}."""
+def bench_once(tree: Path, model: str, bandwidth: str, steps: int, warmup: int, out: Path,
+               mode: str) -> dict[str, float]:
+    """One `bsrun bench` run from `tree`: {"ddp": median step (s), "bsrun": mode's}."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, "-m", "bsrun", "bench", "--model", model, "--bandwidth", bandwidth,
-           "--modes", "ddp,bsrun", "--repeat", "1", "--steps", str(steps), "--warmup", str(warmup),
+           "--modes", f"ddp,{mode}", "--repeat", "1", "--steps", str(steps), "--warmup", str(warmup),
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"bench from {tree} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return {r["mode"]: r["median_step_s"] for r in json.loads(out.read_text())["results"]}
+    return {"bsrun" if r["mode"] == mode else r["mode"]: r["median_step_s"]
+            for r in json.loads(out.read_text())["results"]}
 
 
 def main() -> None:
@@ -47,6 +49,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None, help="also write every run's medians here")
+    p.add_argument("--mode", default="bsrun", help="the scheduled bench mode both trees run (bsrun-fixed: "
+                                                    "no adaptation, where both trees have it)")
     args = p.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bsrun-against-"))
     other = scratch / "other"
@@ -59,7 +63,7 @@ def main() -> None:
                 trees = [("this", HERE), ("other", other)]
                 for name, tree in trees if rep % 2 == 0 else trees[::-1]:
                     medians = bench_once(tree, model, args.bandwidth, args.steps, args.warmup,
-                                         scratch / f"{model}-{name}-{rep}.json")
+                                         scratch / f"{model}-{name}-{rep}.json", args.mode)
                     runs.setdefault((model, name), []).append(medians)
                     print(f"{model} {args.bandwidth} {name} ({rep + 1}/{args.repeat}): "
                           + ", ".join(f"{m} {t:.4f} s" for m, t in medians.items()), flush=True)
