@@ -226,12 +226,14 @@ class ModelRuntime(Updates):
         forward = forward_order(self.first_use, len(self.params))
         order = self._transfer_order(forward)
         mine = [self.partition_bytes, self.credit_bytes]
-        agreed = self.transport.agree(mine + order)
-        (self.partition_bytes, self.credit_bytes), self.configured_order = agreed[:2], agreed[2:]
+        fifo = transfer_order("fifo", forward, self.names, None)  # adaptation's; the forward order is local
+        n = len(self.params)
+        agreed = self.transport.agree(mine + order + fifo)
+        (self.partition_bytes, self.credit_bytes) = agreed[:2]
+        self.configured_order, self.fifo_order = agreed[2:2 + n], agreed[2 + n:]
         if agreed[:2] != mine:
             state.warn(f"partition {mine[0]} B and credit {mine[1]} B here differ from rank 0's "
                        f"({self.partition_bytes} B, {self.credit_bytes} B); every rank uses rank 0's")
-        self.fifo_order = transfer_order("fifo", forward, self.names, None)
         self.adapter.started()  # it may start from the point an earlier run learned
         self._lay_out(self._order_named(self.order_name))
 
