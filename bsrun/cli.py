@@ -113,11 +113,10 @@ def _signature(command, nproc, network, config) -> str:
 
 def commit_learned_point(plan) -> None:
     """The point rank 0's adaptation kept in this run, kept for the job's next launch."""
-    from bsrun.launch.summary import read_last_run
+    from bsrun.launch.summary import decider_adaptation, read_last_run
     from bsrun.tune.commit import commit_learned
 
-    run = read_last_run() or {}
-    adapt = next((r.get("adapt") for r in run.get("ranks", []) if r.get("rank") == 0), None)
+    adapt = decider_adaptation(read_last_run())
     if not adapt or adapt.get("state") != "settled":
         return
     signature = _signature(plan.command, plan.nproc if plan.kind == "local" else None, plan.network, plan.config)

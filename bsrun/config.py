@@ -334,8 +334,8 @@ LEARNED_KEY = "adapted"  # a job's entry in tuned.json: the point online adaptat
 
 
 def load_learned(signature: str, path: Path = TUNED_FILE) -> dict | None:
-    """The point the last adapted run of this job kept (see bsrun/sched/adaptive.py), or None."""
-    load_tuned(signature, path)  # a corrupt file is moved aside here, with a warning
+    """The point the last adapted run of this job kept (see bsrun/sched/adaptive.py), or None.
+    Read after `load_tuned`, which has moved a corrupt file aside (with its warning)."""
     try:
         return json.loads(Path(path).read_text())["jobs"][signature][LEARNED_KEY]["point"]
     except (OSError, ValueError, KeyError, TypeError):

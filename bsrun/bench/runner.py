@@ -29,7 +29,7 @@ from bsrun import child
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
-from bsrun.launch.summary import rank_modes, read_last_run
+from bsrun.launch.summary import decider_adaptation, rank_modes, read_last_run
 from bsrun.sched.adaptive import SEARCH_STEPS, describe_point
 
 __all__ = ["MODES", "available_models", "run_bench"]
@@ -139,7 +139,7 @@ def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -
 
 def _kept_point(run: dict | None) -> str | None:
     """From the summary bsrun leaves in its folder: the point rank 0's adaptation ended on."""
-    adapt = next((r.get("adapt") for r in (run or {}).get("ranks", []) if r.get("rank") == 0), None)
+    adapt = decider_adaptation(run)
     if not adapt or adapt.get("state") == "off":
         return None
     return f"{describe_point(adapt['point'])} ({adapt['state']})"

@@ -19,6 +19,7 @@ DDP's find_unused_parameters=True: bsrun/inject/unused.py; Join: bsrun/inject/jo
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import torch
 
@@ -88,7 +89,7 @@ class ModelRuntime(Updates):
         self.partition_bytes = config.partition    # until rank 0's values are agreed at the
         self.credit_bytes = config.credit_bytes    # first synchronising backward pass
         self.scheduler: Scheduler | None = None
-        self.retired_stats: dict[str, int] = {}  # the counts of schedulers an adaptation replaced
+        self.retired_stats: Counter = Counter()  # the counts of schedulers an adaptation replaced
         self.configured_order_name = self.order_name = config.order.partition(":")[0]
         self.configured_order: list[int] = []   # agreed at the first synchronising backward
         self.fifo_order: list[int] = []
@@ -257,8 +258,7 @@ class ModelRuntime(Updates):
         every pending update applied, then the partitions laid out anew for `point`."""
         self.flush()
         self.scheduler.close()
-        for key, value in self.scheduler.stats.items():
-            self.retired_stats[key] = self.retired_stats.get(key, 0) + value
+        self.retired_stats.update(self.scheduler.stats)
         self.partition_bytes, self.credit_bytes, self.proxy = point.partition, point.credit_bytes, point.proxy
         self.order_name = point.order
         self._lay_out(self._order_named(point.order))
@@ -291,9 +291,7 @@ class ModelRuntime(Updates):
             self.cv.notify_all()
 
     def counters(self) -> dict:
-        stats = dict(self.retired_stats)
-        for key, value in (self.scheduler.stats if self.scheduler else {}).items():
-            stats[key] = stats.get(key, 0) + value
+        stats = self.retired_stats + Counter(self.scheduler.stats if self.scheduler else {})
         return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
                 "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
                 "negotiations": stats.get("negotiations", 0), "checks": self.replicas.checks}

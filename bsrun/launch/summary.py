@@ -85,6 +85,11 @@ def rank_modes(run: dict) -> list[str]:
     return sorted({r.get("mode", "unknown") for r in run["ranks"]})
 
 
+def decider_adaptation(run: dict | None) -> dict | None:
+    """Rank 0's `adapt` entry (its adaptation decides for every rank), or None."""
+    return next((r.get("adapt") for r in (run or {}).get("ranks", []) if r.get("rank") == 0), None)
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000:
