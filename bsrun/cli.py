@@ -16,7 +16,7 @@ import click
 from bsrun import __version__
 from bsrun.config import KNOBS, TUNABLE, TUNED_FILE, job_signature, load_learned, load_tuned, resolve
 from bsrun.errors import BsrunError
-from bsrun.sched.adaptive import describe_point
+from bsrun.sched.adaptive import POINT_KNOBS, describe_point
 from bsrun.tune.space import SPACE_HELP
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -112,12 +112,14 @@ def _signature(command, nproc, network, config) -> str:
 
 
 def commit_learned_point(plan) -> None:
-    """The point rank 0's adaptation kept in this run, kept for the job's next launch."""
+    """The point rank 0's adaptation kept in this run, kept for the job's next launch; not
+    when the user fixed a knob: that search was not free, and its point would carry the
+    value given for one launch into every later one."""
     from bsrun.launch.summary import decider_adaptation, read_last_run
     from bsrun.tune.commit import commit_learned
 
     adapt = decider_adaptation(read_last_run())
-    if not adapt or adapt.get("state") != "settled":
+    if not adapt or adapt.get("state") != "settled" or plan.config.fixed_by_user() & set(POINT_KNOBS):
         return
     signature = _signature(plan.command, plan.nproc if plan.kind == "local" else None, plan.network, plan.config)
     commit_learned(signature, adapt["point"], {"decisions": len(adapt["switches"])})
@@ -151,8 +153,9 @@ def resolve_launch(command, nproc, config_file, grace, emulate_bandwidth=None, e
     plan = make_plan(list(command), nproc, config, grace=grace, network=network)
     if learned is not None and config.enabled and config.adapt:
         plan = dataclasses.replace(plan, adapt_start=learned)
+        given = sorted(config.fixed_by_user() & set(POINT_KNOBS))
         click.echo(f"bsrun: adapting from the point the last run kept ({describe_point(learned)}, "
-                   f"{TUNED_FILE})", err=True)
+                   f"{TUNED_FILE}){', with ' + ' and '.join(given) + ' as given' if given else ''}", err=True)
     if any(s.startswith("tuned") for s in config.sources.values()):
         fixed = ", ".join(f"{n}={getattr(config, n)}" for n, s in config.sources.items() if s.startswith("tuned"))
         click.echo(f"bsrun: using tuned config {fixed} from {TUNED_FILE}", err=True)
@@ -197,8 +200,9 @@ def _csv(values: str) -> list[str]:
 @click.option("--modes", default="ddp,bsrun,bound", show_default=True,
               help="comma-separated, from ddp, bsrun (adapting), bsrun-fixed (--no-adapt), horovod, "
                    "bsrun-horovod, compute, comm, bound (max of compute alone and comm alone, per step), "
-                   "overlap (both at once in two threads), ps (parameter servers unscheduled) and "
-                   "bsrun:ORDER (forward, tic, tac, fifo)")
+                   "overlap (both at once in two threads), replay (a profile of bsrun-fixed replayed "
+                   "under a perfect schedule, dependencies kept), ps (parameter servers unscheduled) "
+                   "and bsrun:ORDER (forward, tic, tac, fifo)")
 @click.option("--arch", default="allreduce", show_default=True,
               help="ps: bsrun's modes push to parameter servers (ps: the unscheduled PS baseline)")
 @click.option("--servers", type=int, default=1, show_default=True, help="parameter servers with --arch ps")

@@ -96,8 +96,9 @@ def test_the_point_a_run_kept_is_where_the_next_launch_of_the_job_starts(workdir
        gradients and losses of the same script under `--no-schedule` (rtol 1e-5).
     3. `--no-adapt`: no such line, adapt "off" (why "--no-adapt") with no switch, on the
        configured point (not the learned one), and tuned.json's learned point unchanged.
-    4. `--partition 3MB`: the line, and the start point is the learned one (as tuned.json
-       held it before the launch) with the user's partition; every point tried keeps it.
+    4. `--partition 3MB`: the line (saying the partition is as given), and the start point
+       is the learned one (as tuned.json held it before the launch) with the user's
+       partition; every point tried keeps it; tuned.json's learned point is unchanged.
     Whether run 1 kept the configured point or another is the feature's timing decision:
     every check compares with what the summaries and tuned.json say."""
     plain, plain_summary = launch(workdir, ["--no-schedule"], out="plain")[:2]
@@ -159,3 +160,6 @@ def test_the_point_a_run_kept_is_where_the_next_launch_of_the_job_starts(workdir
         f"user's partition:\n{listing}"
     assert all(s["point"]["partition"] == USER_PARTITION for s in adapt(summary, 0)["switches"]), \
         f"a point tried with --partition 3MB had another partition:\n{listing}"
+    assert "with partition as given" in err, f"the line does not say the partition is the user's:\n{err[-2000:]}"
+    assert learned_entry(workdir) == learned_before, \
+        "a run with --partition given replaced the learned point (its search was not free)"

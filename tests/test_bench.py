@@ -13,7 +13,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from bsrun.bench.runner import MODES, RunResult, bench_table, launch_args, run_bench, run_once, summarise
+from bsrun.bench.runner import (MODES, RunResult, _late_decisions, bench_table, launch_args, run_bench, run_once,
+                                summarise)
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
 from bsrun.sched.adaptive import SEARCH_STEPS
@@ -68,6 +69,8 @@ def test_every_mode_on_loopback(tmp_path):
         assert by_mode[scheduled]["launched_as"] == ["scheduled"]
     for plain in ("ddp", "horovod", "bound", "overlap"):
         assert by_mode[plain]["launched_as"] == ["off"]
+    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more)
+    assert by_mode["bsrun"]["late_decisions"] == [[]] and len(by_mode["bsrun"]["kept_points"]) == 1
     assert "vs horovod" in text and "attainable" in text and "captured" in text
 
 
@@ -147,6 +150,36 @@ def test_only_bsrun_adapts_and_every_other_scheduled_mode_is_fixed(tmp_path):
     (fixed_rest, fixed_warmup), (adapting_rest, adapting_warmup) = worker_args(fixed), worker_args(adapting)
     assert fixed_rest == adapting_rest
     assert adapting_warmup == fixed_warmup + SEARCH_STEPS  # bsrun's timed steps start after its first search
+
+
+@pytest.mark.slow
+def test_the_replay_mode_replays_a_profile_under_a_perfect_schedule(tmp_path):
+    modes = ["ddp", "bound", "replay"]
+    records, saved, text = bench(tmp_path, [None], modes)
+    check(records, saved, text, None, modes)
+    by_mode = {r["mode"]: r for r in records}
+    replay = by_mode["replay"]
+    assert replay["launched_as"] == ["replayed"]
+    ((profiled, replayed),) = replay["replay_self_check"]  # the profiled run's median, its own replay
+    assert profiled > 0 and replayed > 0
+    assert by_mode["ddp"]["replay_self_check"] is None
+    gain = replay["attainable_replay"]
+    assert all(r["attainable_replay"] == gain for r in records)
+    if gain > 0:  # its sign is the machine's noise at 3 steps of a tiny model
+        assert replay["captured_replay"] == pytest.approx(1.0) and by_mode["ddp"]["captured_replay"] == 0
+        assert any("(replay)" in line for line in text.splitlines() if line.startswith("┃")), text  # its columns
+    else:
+        assert all(r["captured_replay"] is None for r in records)
+
+
+def test_adaptation_decisions_inside_the_timed_steps_are_listed():
+    switches = [{"step": 2, "why": "explore: timing the starting point"},
+                {"step": 14, "why": "keep: fastest median step 0.5 s of 0.5, 0.6"},
+                {"step": 30, "why": "drift: step 0.9 s against 0.5 s when kept; re-timing it and searching again"}]
+    run = {"ranks": [{"rank": 1, "adapt": {"switches": switches[:1]}}, {"rank": 0, "adapt": {"switches": switches}}]}
+    assert _late_decisions(run, 16) == [f"step 30: {switches[2]['why']}"]  # rank 0's, from the warm-up's end on
+    assert _late_decisions(run, 14) == [f"step 14: {switches[1]['why']}", f"step 30: {switches[2]['why']}"]
+    assert _late_decisions(None, 3) == [] and _late_decisions({"ranks": [{"rank": 0}]}, 3) == []
 
 
 def test_attainable_gain_and_captured_are_shares_of_ddp_to_bound():

@@ -38,8 +38,9 @@ MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound",
 ORDERS = ("forward", "tic", "tac", "fifo")
 # The bench's modes: the worker's, "bsrun-fixed" (bsrun's defaults without adaptation),
 # "ps" (parameter servers unscheduled: each tensor whole, as it becomes ready, no credit
-# limit) and "bsrun:ORDER" (bsrun with that --order).
-BENCH_MODES = (*MODES, "bsrun-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS))
+# limit), "bsrun:ORDER" (bsrun with that --order) and "replay" (a profile of bsrun-fixed
+# replayed under a perfect schedule: whatif.best_schedule).
+BENCH_MODES = (*MODES, "bsrun-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS), "replay")
 SCHEDULED_MODES = ("bsrun", "bsrun-fixed", "bsrun-horovod", "ps",
                    *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
 ADAPTING_MODES = ("bsrun",)  # bsrun's defaults, adaptation included; other scheduled modes: --no-adapt
@@ -74,6 +75,7 @@ class RunResult:
     launched_as: str | None = None  # what the launcher's summary says the ranks ran as
     error: str | None = None
     kept: str | None = None  # the point rank 0's adaptation kept (mode bsrun)
+    late_decisions: list[str] = field(default_factory=list)  # adaptation's, inside the timed steps
 
 
 def _tail(text: str, lines: int = TAIL_LINES) -> str:
@@ -134,7 +136,8 @@ def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -
     except (OSError, ValueError, KeyError, TypeError) as e:
         return RunResult(mode, error=f"left no valid result in {out} ({e})\n{_tail(output)}")
     run = read_last_run(cwd)
-    return RunResult(mode, times, info, "/".join(rank_modes(run)) if run else None, kept=_kept_point(run))
+    return RunResult(mode, times, info, "/".join(rank_modes(run)) if run else None, kept=_kept_point(run),
+                     late_decisions=_late_decisions(run, info.get("warmup", 0)))
 
 
 def _kept_point(run: dict | None) -> str | None:
@@ -145,16 +148,22 @@ def _kept_point(run: dict | None) -> str | None:
     return f"{describe_point(adapt['point'])} ({adapt['state']})"
 
 
+def _late_decisions(run: dict | None, warmup: int) -> list[str]:
+    """Rank 0's adaptation decisions after the warm-up (a search or a drift re-check
+    among the timed steps), as `step N: why`: what a slower adaptive median may owe."""
+    adapt = decider_adaptation(run) or {}
+    return [f"step {d['step']}: {d['why']}" for d in adapt.get("switches", []) if d["step"] >= warmup]
+
+
 def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
               runs: list[RunResult], modes: list[str]) -> list[dict]:
     """One record per mode: medians over all steps of all repeats, ratios within the group.
 
     spread is [min, max] of the per-repeat medians: how far one run can land from
-    another, which is what decides whether a ratio is real. attainable_gain is the
-    group's (ddp - bound) / ddp: the share of DDP's step a schedule could remove at
-    most (None without both; zero or below only when noise put the bound at or above
-    ddp); captured is (ddp - mode) / (ddp - bound): how much of that gain the mode took
-    (0: none, 1: all; None without a positive attainable gain).
+    another, which is what decides whether a ratio is real. attainable_gain and captured
+    are the group's shares against the bound (_shares): the most a schedule could remove
+    from DDP's step, and how much of it the mode took (0: none, 1: all);
+    attainable_replay and captured_replay the same against the replayed perfect schedule.
     """
     medians: dict[str, float] = {}
     records = []
@@ -179,20 +188,34 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
             "kept_points": [r.kept for r in ok if r.kept],  # adaptation's, one per repeat
+            "late_decisions": [r.late_decisions for r in ok],  # adaptation's in the timed steps, per repeat
             # the bound's two parts (median over the same steps), None for the other modes
             "compute_part_s": _median_of(ok, "compute_times"), "comm_part_s": _median_of(ok, "comm_times"),
+            # the replay's trust, per repeat: [profiled run's median step, its own replay] (s)
+            "replay_self_check": [[r.info["profiled_step_s"], r.info["replayed_profiled_s"]] for r in ok]
+                                 if mode == "replay" else None,
             "errors": [r.error.splitlines()[0] for r in failed],
         })
-    gain = (medians["ddp"] - medians["bound"]) / medians["ddp"] if {"ddp", "bound"} <= medians.keys() else None
     for rec in records:
         m = rec["median_step_s"]
         for base in BASELINES:
             rec[f"speedup_vs_{base}"] = medians[base] / m if m is not None and base in medians else None
         rec["efficiency"] = medians["bound"] / m if m is not None and "bound" in medians else None
-        rec["attainable_gain"] = gain
-        rec["captured"] = ((medians["ddp"] - m) / (medians["ddp"] - medians["bound"])
-                           if gain is not None and gain > 0 and m is not None else None)
+        rec["attainable_gain"], rec["captured"] = _shares(medians, m, "bound")
+        rec["attainable_replay"], rec["captured_replay"] = _shares(medians, m, "replay")
     return records
+
+
+def _shares(medians: dict[str, float], median: float | None, reference: str) -> tuple[float | None, float | None]:
+    """(attainable, captured) against a reference mode: (ddp - reference) / ddp, the share
+    of DDP's step a schedule could remove (None without both; zero or below only when
+    noise put the reference at or above ddp), and (ddp - mode) / (ddp - reference) (None
+    without a positive attainable gain)."""
+    if not {"ddp", reference} <= medians.keys():
+        return None, None
+    ddp, best = medians["ddp"], medians[reference]
+    gain = (ddp - best) / ddp
+    return gain, (ddp - median) / (ddp - best) if gain > 0 and median is not None else None
 
 
 def _median_of(runs: list[RunResult], key: str) -> float | None:
@@ -216,10 +239,12 @@ def bench_table(model: str, records: list[dict]) -> Table:
                   "spread: min-max of per-repeat medians; step IQR: interquartile range of all the "
                   "steps (TicTac's straggler measure); efficiency: bound / mode; attainable: "
                   "(ddp - bound) / ddp, the most a schedule can take off DDP's step; captured: "
-                  "(ddp - mode) / (ddp - bound)")
+                  "(ddp - mode) / (ddp - bound); (replay): the same against the replayed perfect schedule")
     bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
+    replayed = any(r["attainable_replay"] is not None for r in records)
+    replay_cols = ("attainable (replay)", "captured (replay)") if replayed else ()
     for col in ("bandwidth", "mode", "step (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
-                "efficiency", "attainable", "captured", "repeats"):
+                "efficiency", "attainable", "captured", *replay_cols, "repeats"):
         table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
     for i, r in enumerate(records):
         first = i == 0 or records[i - 1]["bandwidth"] != r["bandwidth"]
@@ -227,10 +252,12 @@ def bench_table(model: str, records: list[dict]) -> Table:
         spread = "-" if r["spread"] is None else f"{r['spread'][0]:.4g}-{r['spread'][1]:.4g}"
         repeats = f"{r['repeats']}/{r['repeats'] + r['failed_repeats']}"
         speedups = [_fmt(r[f"speedup_vs_{b}"], ".2f") + ("x" if r[f"speedup_vs_{b}"] else "") for b in bases]
+        replay_cells = ((_fmt(r["attainable_replay"], ".0%") if first else "", _fmt(r["captured_replay"], ".0%"))
+                        if replayed else ())
         table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
                       spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"),
                       _fmt(r["attainable_gain"], ".0%") if first else "", _fmt(r["captured"], ".0%"),
-                      repeats, end_section=last and i < len(records) - 1)
+                      *replay_cells, repeats, end_section=last and i < len(records) - 1)
     return table
 
 
@@ -286,6 +313,34 @@ def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | 
     return folder
 
 
+def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmup: int, batch: int | None,
+                cwd: Path, rep: int) -> RunResult:
+    """The `replay` mode: `steps` profiled steps of bsrun-fixed after `warmup`, replayed
+    under a perfect schedule (whatif.best_schedule); its step times are the replay's
+    steady-state ones. The info keeps how well the replay of the profiled point itself
+    matched the profiled run's steps, which is how far to trust the estimate."""
+    from bsrun.profile import trace, whatif  # torch-free, but only this mode needs them
+
+    folder = cwd / f"replay-{model}-{bandwidth or 'loopback'}-{rep}"
+    args = profile_args(folder, model, "bsrun-fixed", bandwidth, steps + warmup + 1, warmup, batch,
+                        cwd / "replay-run.json", record_steps=steps, nproc=nproc)
+    code, output = child.run(args, run_timeout_s(steps, warmup), STOP_GRACE_S, cwd=cwd)
+    if code != 0:
+        ended = "did not finish" if code is None else f"exited with code {code}"
+        return RunResult("replay", error=f"the profile for the replay {ended}\n{_tail(output)}")
+    try:
+        fitted = whatif.fit(trace.load(folder))
+    except (BsrunError, ValueError, KeyError) as e:
+        return RunResult("replay", error=f"the profile for the replay could not be fitted ({e})\n{_tail(output)}")
+    best = whatif.best_schedule(fitted)
+    own = fitted.profiled
+    replayed_own = whatif.predict(fitted, own["partition"] or 1, own["credit"] or 1, scheduled=True)
+    steady = best["step_times_s"][len(best["step_times_s"]) // 2:]
+    info = {"profiled_step_s": own["measured_step_s"], "replayed_profiled_s": replayed_own,
+            "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}
+    return RunResult("replay", steady, info, launched_as="replayed")
+
+
 def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes: list[str],
               steps: int, warmup: int, repeat: int, batch: int | None, json_path: str | None,
               console, arch: str = "allreduce", servers: int = 1) -> list[dict]:
@@ -315,10 +370,13 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                 for rep in range(repeat):
                     for mode in modes:
                         out = cwd / f"{model}-{label}-{mode}-{rep}.json"
-                        args = launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out,
-                                           arch, servers, profile)
                         with console.status(f"{model} {label} {mode} ({rep + 1}/{repeat})"):
-                            run = run_once(args, mode, cwd, out, timeout)
+                            if mode == "replay":
+                                run = replay_once(model, nproc, bandwidth, steps, warmup, batch, cwd, rep)
+                            else:
+                                args = launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out,
+                                                   arch, servers, profile)
+                                run = run_once(args, mode, cwd, out, timeout)
                         runs.append(run)
                         _report_run(console, model, label, rep, repeat, run)
                 group = summarise(model, bandwidth, nproc, steps, runs, modes)
@@ -328,9 +386,13 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                     atomic_write_json(Path(json_path), {"results": results})
             console.print(bench_table(model, model_records))
             for rec in model_records:
+                where = f"{model} {rec['bandwidth'] or 'loopback'} {rec['mode']}"
                 for point in rec["kept_points"]:
-                    console.print(f"{model} {rec['bandwidth'] or 'loopback'} {rec['mode']}: adaptation kept "
-                                  f"{point}", highlight=False, markup=False)
+                    console.print(f"{where}: adaptation kept {point}", highlight=False, markup=False)
+                for rep, late in enumerate(rec["late_decisions"]):
+                    for decision in late:
+                        console.print(f"{where} (repeat {rep + 1}): adaptation decided inside the timed steps, "
+                                      f"{decision}", highlight=False, markup=False)
                 if rec["mode"] in SCHEDULED_MODES and rec["launched_as"] not in ([], ["scheduled"]):
                     console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
                                   f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)

@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     measured = measure(stepper, a.steps, a.warmup)
     if rank == 0:
         atomic_write_json(a.out, {
-            "model": a.model, "mode": a.mode, "batch": batch, "world_size": dist.get_world_size(),
+            "model": a.model, "mode": a.mode, "batch": batch, "world_size": dist.get_world_size(), "warmup": a.warmup,
             **measured, "params": models.param_count(model), "grad_bytes": models.grad_bytes(model)})
     dist.destroy_process_group()
     return 0

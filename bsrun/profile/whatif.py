@@ -38,7 +38,7 @@ profiled config), and rank skew beyond what the per-rank compute times carry.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
 from bsrun.sched import task
@@ -52,6 +52,9 @@ from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 # apart from the layers' own compute, so it is a constant.
 SCHEDULING_S_PER_TENSOR = 0.28e-3
 REPLAY_ITERATIONS = 8
+# best_schedule's partitions: fine enough that priority is as good as preemptive (2 ms at
+# 1 Gbit/s), coarse enough that the replay of a 100 MB model stays under a second.
+PERFECT_PARTITION = 256 * 2**10
 
 
 @dataclass
@@ -364,3 +367,18 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
 def predict(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bool) -> float:
     """Predicted steady-state step time (s) of the profiled job under this config."""
     return predict_detail(model, partition_bytes, credit_bytes, scheduled)["step_s"]
+
+
+def best_schedule(model: Model) -> dict:
+    """The replay under a perfect schedule: no cost per collective, no decision latency,
+    no training-thread cost of scheduling, strict priority by first use
+    (PERFECT_PARTITION partitions, one in flight). What no schedule changes stays as
+    profiled: each rank's compute (with the CPU the profiled communication took from it),
+    the link's bandwidth, and the dependencies (a gradient goes once it is ready everywhere
+    and is waited for where the next forward first uses it). So it estimates what any
+    schedule could reach on this job, where the bench's `bound` (the larger of compute and
+    communication, each alone) charges neither the dependencies nor the contention. An
+    estimate, not a proof: it carries the replay's own error."""
+    perfect = replace(model, alpha=0.0, decision=0.0, ranks=compute_for(model, scheduled=False),
+                      scheduling_cost=0.0)
+    return predict_detail(perfect, PERFECT_PARTITION, PERFECT_PARTITION, scheduled=True)

@@ -61,6 +61,9 @@ def describe_point(point: dict) -> str:
             f"order {point['order']}, {waits}")
 
 
+POINT_KNOBS = ("partition", "credit", "order")  # the knobs a point sets; a user's value of one is Fixed
+
+
 @dataclass(frozen=True)
 class Fixed:
     """What the user fixed (flag, file or environment): every candidate keeps it."""
