@@ -23,11 +23,11 @@ from conftest import WORKERS, assert_same_state, assert_scheduled, last_run, run
 from bsrun.config import LEARNED_KEY
 from bsrun.sched.adaptive import SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_point
 
-# Long enough for the first search to settle (a keep by step SEARCH_STEPS, 14) and for a
-# search from a learned point to reach every candidate it queues (the incumbent at step
-# WARMUP_STEPS, then up to three candidates a window each: switches at 6, 10 and 14).
-STEPS = WARMUP_STEPS + 4 * WINDOW
-assert STEPS > SEARCH_STEPS
+# Long enough for a search from a learned point to reach every candidate it queues (the
+# incumbent at step WARMUP_STEPS, then up to three candidates a window each: switches at 6,
+# 10 and 14) and to keep one (by step SEARCH_STEPS, 18).
+STEPS = SEARCH_STEPS
+assert STEPS == WARMUP_STEPS + 4 * WINDOW
 LEARNED_LINE = "bsrun: adapting from the point the last run kept ("
 START_WHY = "explore: timing the starting point"
 USER_PARTITION = 3_000_000  # "3MB": never a point adaptation picks (powers of two, 4 MiB, 25 MiB)

@@ -69,7 +69,7 @@ def test_every_mode_on_loopback(tmp_path):
         assert by_mode[scheduled]["launched_as"] == ["scheduled"]
     for plain in ("ddp", "horovod", "bound", "overlap"):
         assert by_mode[plain]["launched_as"] == ["off"]
-    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more)
+    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more, enough for four points)
     assert by_mode["bsrun"]["late_decisions"] == [[]] and len(by_mode["bsrun"]["kept_points"]) == 1
     assert "vs horovod" in text and "attainable" in text and "captured" in text
 

@@ -33,7 +33,10 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-SEARCH_STEPS = WARMUP_STEPS + 3 * WINDOW  # a first search of three points, to the step that keeps one
+# A first search, to the step that keeps a point: up to four windows (the starting point,
+# the fitted one, the unscheduled-like one and, when the start is a learned point, the
+# configured one).
+SEARCH_STEPS = WARMUP_STEPS + 4 * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 MIN_PARTITION, MAX_PARTITION = 64 * 2**10, 64 * 2**20
