@@ -162,7 +162,10 @@ def test_the_replay_mode_replays_a_profile_under_a_perfect_schedule(tmp_path):
     assert replay["launched_as"] == ["replayed"]
     ((profiled, replayed),) = replay["replay_self_check"]  # the profiled run's median, its own replay
     assert profiled > 0 and replayed > 0
-    assert by_mode["ddp"]["replay_self_check"] is None
+    assert by_mode["ddp"]["replay_self_check"] is None and by_mode["ddp"]["replay_breakdown"] is None
+    ((first, *_, last),) = replay["replay_breakdown"]  # from the perfect schedule to the profiled point
+    assert first[1] == pytest.approx(replay["median_step_s"]) and last[1] == pytest.approx(replayed)
+    assert "from a perfect schedule to bsrun-fixed's point" in text
     gain = replay["attainable_replay"]
     assert all(r["attainable_replay"] == gain for r in records)
     if gain > 0:  # its sign is the machine's noise at 3 steps of a tiny model

@@ -145,20 +145,25 @@ def test_whatif_predicts_other_configs_from_the_profile(scheduled):
 
 
 def test_the_perfect_schedule_lies_between_the_bound_and_the_profiled_schedule(scheduled):
-    """whatif.best_schedule (the bench's `replay` mode): the same compute, link and
-    dependencies, no cost per collective or decision. No schedule on one link beats
-    either part alone, and this one is not slower than the replay of what ran."""
-    _, _, trace = scheduled
+    """whatif.best_schedule (the bench's `replay` mode, a line of `bsrun profile`): the same
+    compute, link and dependencies, no cost per collective or decision. No schedule on one
+    link beats either part alone, and this one is not slower than the replay of what ran."""
+    folder, proc, trace = scheduled
     from bsrun.profile import whatif
 
     model = whatif.fit(trace)
     best = whatif.best_schedule(model)
+    summary = json.loads((folder / "summary.json").read_text())  # and `bsrun profile` says it
+    assert summary["whatif"]["perfect_schedule_ms"] == pytest.approx(best["step_s"] * 1e3)
+    assert "a perfect schedule of this job" in proc.stdout
     profiled = whatif.predict(model, model.profiled["partition"], model.profiled["credit"], True)
     compute = max(r.before_forward + r.forward + r.before_backward + r.backward + r.after_backward
                   for r in whatif.compute_for(model, scheduled=False))
     link = model.beta * sum(p["bytes"] for p in model.params)
     assert max(compute, link) * 0.999 <= best["step_s"] <= profiled * 1.001, (compute, link, best, profiled)
     assert best["collectives"] >= sum(p["bytes"] for p in model.params) / whatif.PERFECT_PARTITION
+    steps = whatif.gap_breakdown(model)  # the costs added back one at a time
+    assert len(steps) == 5 and steps[0][1] == best["step_s"] and steps[-1][1] == pytest.approx(profiled)
 
 
 def test_an_unscheduled_profile_times_ddp_buckets_without_changing_ddp(unscheduled, tmp_path):

@@ -194,6 +194,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             # the replay's trust, per repeat: [profiled run's median step, its own replay] (s)
             "replay_self_check": [[r.info["profiled_step_s"], r.info["replayed_profiled_s"]] for r in ok]
                                  if mode == "replay" else None,
+            "replay_breakdown": [r.info["breakdown"] for r in ok] if mode == "replay" else None,
             "errors": [r.error.splitlines()[0] for r in failed],
         })
     for rec in records:
@@ -318,7 +319,8 @@ def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmu
     """The `replay` mode: `steps` profiled steps of bsrun-fixed after `warmup`, replayed
     under a perfect schedule (whatif.best_schedule); its step times are the replay's
     steady-state ones. The info keeps how well the replay of the profiled point itself
-    matched the profiled run's steps, which is how far to trust the estimate."""
+    matched the profiled run's steps, which is how far to trust the estimate, and the
+    replay's account of the gap between the two (whatif.gap_breakdown)."""
     from bsrun.profile import trace, whatif  # torch-free, but only this mode needs them
 
     folder = cwd / f"replay-{model}-{bandwidth or 'loopback'}-{rep}"
@@ -333,11 +335,10 @@ def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmu
     except (BsrunError, ValueError, KeyError) as e:
         return RunResult("replay", error=f"the profile for the replay could not be fitted ({e})\n{_tail(output)}")
     best = whatif.best_schedule(fitted)
-    own = fitted.profiled
-    replayed_own = whatif.predict(fitted, own["partition"] or 1, own["credit"] or 1, scheduled=True)
+    breakdown = whatif.gap_breakdown(fitted)
     steady = best["step_times_s"][len(best["step_times_s"]) // 2:]
-    info = {"profiled_step_s": own["measured_step_s"], "replayed_profiled_s": replayed_own,
-            "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}
+    info = {"profiled_step_s": fitted.profiled["measured_step_s"], "replayed_profiled_s": breakdown[-1][1],
+            "breakdown": [list(row) for row in breakdown], "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}
     return RunResult("replay", steady, info, launched_as="replayed")
 
 
@@ -389,6 +390,8 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                 where = f"{model} {rec['bandwidth'] or 'loopback'} {rec['mode']}"
                 for point in rec["kept_points"]:
                     console.print(f"{where}: adaptation kept {point}", highlight=False, markup=False)
+                if rec["replay_breakdown"]:
+                    console.print(_breakdown_line(where, rec), highlight=False, markup=False)
                 for rep, late in enumerate(rec["late_decisions"]):
                     for decision in late:
                         console.print(f"{where} (repeat {rep + 1}): adaptation decided inside the timed steps, "
@@ -397,6 +400,15 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                     console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
                                   f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)
     return results
+
+
+def _breakdown_line(where: str, rec: dict) -> str:
+    """The replay's account of the gap from a perfect schedule to bsrun-fixed's point,
+    each figure the median over the repeats."""
+    rows = zip(*rec["replay_breakdown"])
+    parts = [f"{rows_of[0][0]} {statistics.median(s for _, s in rows_of):.3f}" for rows_of in rows]
+    measured = statistics.median(m for m, _ in rec["replay_self_check"])
+    return f"{where}, from a perfect schedule to bsrun-fixed's point: {', '.join(parts)} s; measured {measured:.3f} s"
 
 
 def _report_run(console, model: str, label: str, rep: int, repeat: int, run: RunResult) -> None:

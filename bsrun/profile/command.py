@@ -57,6 +57,7 @@ def whatif_summary(trace_obj: dict) -> dict:
         predicted = whatif.predict(model, p["partition"] or 1, p["credit"] or 1, p["scheduled"])
         out["self_check"] = {"predicted_ms": predicted * 1e3, "measured_ms": p["measured_step_s"] * 1e3,
                              "error_pct": 100.0 * (predicted / p["measured_step_s"] - 1.0)}
+    out["perfect_schedule_ms"] = whatif.best_schedule(model)["step_s"] * 1e3
     return out
 
 

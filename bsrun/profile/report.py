@@ -57,6 +57,9 @@ def model_lines(summary: dict) -> list[str]:
     if own and own.get("measured_ms"):
         lines.append(f"what-if replay of this config: {own['predicted_ms']:.1f} ms vs {own['measured_ms']:.1f} ms "
                      f"measured ({own['error_pct']:+.1f}%)")
+    if model.get("perfect_schedule_ms") is not None:
+        lines.append(f"a perfect schedule of this job (same compute, link and dependencies; nothing per "
+                     f"collective or decision): {model['perfect_schedule_ms']:.1f} ms a step")
     return lines
 
 

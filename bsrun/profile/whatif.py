@@ -369,6 +369,11 @@ def predict(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bo
     return predict_detail(model, partition_bytes, credit_bytes, scheduled)["step_s"]
 
 
+def _unburdened(model: Model) -> Model:
+    """The model without the training-thread cost of scheduling (its compute as unscheduled)."""
+    return replace(model, ranks=compute_for(model, scheduled=False), scheduling_cost=0.0)
+
+
 def best_schedule(model: Model) -> dict:
     """The replay under a perfect schedule: no cost per collective, no decision latency,
     no training-thread cost of scheduling, strict priority by first use
@@ -379,6 +384,21 @@ def best_schedule(model: Model) -> dict:
     schedule could reach on this job, where the bench's `bound` (the larger of compute and
     communication, each alone) charges neither the dependencies nor the contention. An
     estimate, not a proof: it carries the replay's own error."""
-    perfect = replace(model, alpha=0.0, decision=0.0, ranks=compute_for(model, scheduled=False),
-                      scheduling_cost=0.0)
+    perfect = replace(_unburdened(model), alpha=0.0, decision=0.0)
     return predict_detail(perfect, PERFECT_PARTITION, PERFECT_PARTITION, scheduled=True)
+
+
+def gap_breakdown(model: Model) -> list[tuple[str, float]]:
+    """From the perfect schedule to the replay of a scheduled profile's own point, one cost
+    added back at a time: (what was added, replayed step s). Where the gap between a
+    perfect schedule and bsrun goes, by the replay's account."""
+    if not model.profiled.get("scheduled"):
+        raise ValueError("a breakdown needs a profile of a scheduled run")
+    partition, credit = model.profiled["partition"] or 1, model.profiled["credit"] or 1
+    bare = _unburdened(model)
+    return [("a perfect schedule", best_schedule(model)["step_s"]),
+            ("+ the profiled partitions and credit", predict(replace(bare, alpha=0.0, decision=0.0),
+                                                             partition, credit, True)),
+            ("+ the fixed cost per collective", predict(replace(bare, decision=0.0), partition, credit, True)),
+            ("+ the decision latency", predict(bare, partition, credit, True)),
+            ("+ scheduling's training-thread cost (the profiled point)", predict(model, partition, credit, True))]
