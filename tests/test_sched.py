@@ -53,6 +53,8 @@ def test_ranks_agree_on_the_order_whatever_their_timing(workdir, jitter):
     assert len(orders[0]) == 6 * result["partitions"]
     assert orders[0] == orders[1], "both ranks must issue the same collectives in the same order"
     assert result["stats"]["rounds"] == 6
+    # one gloo group matches collectives by order: after the first round every rank replays it
+    assert result["stats"]["replayed_rounds"] == 5 and result["stats"]["negotiations"] >= 1
 
 
 class ScriptedBackend:
@@ -62,7 +64,8 @@ class ScriptedBackend:
     world_size = 1
     in_order = True
 
-    def __init__(self):
+    def __init__(self, matched_by_order=False):
+        self.matched_by_order = matched_by_order
         self.posted: list[int] = []
         self.finished: dict[int, threading.Event] = {}
 
@@ -129,3 +132,46 @@ def test_the_replay_and_the_scheduler_make_the_same_issue_decisions(credit):
     assert sorted(done) == list(range(count))
     if credit == 150:  # the credit really decided something: urgency beat readiness
         assert replayed != sorted(ready, key=ready.get)
+
+
+def test_steady_rounds_replay_the_negotiated_order_within_the_credit():
+    """On a backend matched by posting order, round 0 is negotiated and later rounds post in
+    its order without negotiating: a partition ready early waits for the ones before it in
+    that order, and the credit still holds back what does not fit beside this round's
+    unfinished bytes."""
+    from bsrun.sched.core import RENEGOTIATE_EVERY, Scheduler
+
+    sizes = [100, 100, 100]
+    backend = ScriptedBackend(matched_by_order=True)
+    done: list = []
+    scheduler = Scheduler(backend, sizes, 200, done.append, done.append)
+    try:
+        for pid in (2, 1, 0):  # round 0, as a backward pass readies them: negotiated
+            scheduler.mark_ready(pid)
+            settle(scheduler, backend)
+        assert backend.posted == [2, 1]  # 0 waits for the credit
+        backend.finished[2].set()
+        settle(scheduler, backend)
+        assert backend.posted == [2, 1, 0]
+        backend.finished[1].set(), backend.finished[0].set()
+        settle(scheduler, backend)
+        negotiated = scheduler.stats["negotiations"]
+
+        scheduler.mark_ready(1)  # round 1: 1 is ready first, but round 0's order starts with 2
+        settle(scheduler, backend)
+        assert backend.posted[3:] == []
+        scheduler.mark_ready(2), scheduler.mark_ready(0)
+        settle(scheduler, backend)
+        assert backend.posted[3:] == [2, 1]  # in round 0's order, 0 held back by the credit
+        backend.finished[2].set()
+        settle(scheduler, backend)
+        assert backend.posted[3:] == [2, 1, 0]
+        assert scheduler.stats["negotiations"] == negotiated and scheduler.stats["replayed_rounds"] == 1
+        backend.finished[1].set(), backend.finished[0].set()
+        settle(scheduler, backend)
+    finally:
+        for event in backend.finished.values():
+            event.set()
+        scheduler.close()
+    assert [d for d in done if not isinstance(d, int)] == []  # no error
+    assert sorted(done) == [0, 0, 1, 1, 2, 2] and RENEGOTIATE_EVERY > 1

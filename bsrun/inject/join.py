@@ -11,7 +11,7 @@ model's control group:
   this iteration synchronise" all-reduce (each rank that has not joined says whether its
   forward will be followed by a synchronising backward);
   backward: one bsrun round with zeros for every gradient (`ModelRuntime.shadow_round`:
-  the agreed partitions in the agreed order, with the other ranks' negotiations), and with
+  the agreed partitions in the agreed order, negotiated or replayed as the others' round), and with
   find_unused_parameters=True the used map;
   post_hook: the model (parameters, and the buffers when DDP would broadcast them) from
   the highest rank among the last to join, as DDP's _sync_final_model.

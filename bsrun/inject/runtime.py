@@ -294,7 +294,8 @@ class ModelRuntime(Updates):
         stats = self.retired_stats + Counter(self.scheduler.stats if self.scheduler else {})
         return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
                 "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
-                "negotiations": stats.get("negotiations", 0), "checks": self.replicas.checks}
+                "negotiations": stats.get("negotiations", 0), "replayed_rounds": stats.get("replayed_rounds", 0),
+                "checks": self.replicas.checks}
 
     def close(self) -> None:
         """Stop the scheduler's threads and take the hooks off the model."""

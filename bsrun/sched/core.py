@@ -28,6 +28,18 @@ A backend whose transport already matches collectives across ranks (Horovod, by 
 returns its own values from `negotiate`: then each rank decides by its own picture, and
 the backend's docstring says why that cannot deadlock.
 
+Steady rounds without negotiating. On a backend whose collectives are matched by their
+posting order alone (`matched_by_order`: one gloo group), the order every rank issued in
+a negotiated round is known to every rank, so later rounds replay it: each partition is
+posted in that order once it is ready here and fits the credit beside this round's
+unfinished bytes. A rank that posts first waits inside the collective for the others.
+That takes the negotiations, and the decision latency they cost (a round trip through
+the network's queue per decision), out of the hot path. It cannot deadlock: every
+partition of a round becomes ready by the end of its backward pass whatever the
+communication does, and the credit waits only for collectives earlier in the same order,
+which every rank posts by the same argument. The order is re-negotiated every
+RENEGOTIATE_EVERY rounds, and each scheduler (a new layout) negotiates its first round.
+
 Rounds: one round is one synchronising backward pass; every partition is sent once per
 round. Readiness is counted, not flagged, so a hook of the next round can arrive before
 the current round is closed here.
@@ -51,6 +63,7 @@ from bsrun.sched.task import next_to_issue
 class CommBackend(Protocol):
     world_size: int
     in_order: bool  # collectives finish in the order they were posted (as on one gloo group)
+    matched_by_order: bool  # ranks' collectives pair up by posting order alone: steady rounds replay it
 
     def post(self, pid: int) -> object:
         """Start partition `pid`'s collective (asynchronously); return a handle."""
@@ -93,6 +106,7 @@ class _InFlight:
 
 POLL_MIN_S = 0.0002  # polling an out-of-order backend: back off from 0.2 ms to 2 ms
 POLL_MAX_S = 0.002
+RENEGOTIATE_EVERY = 16  # rounds; the others replay the last negotiated order (matched_by_order)
 
 
 class Scheduler:
@@ -112,7 +126,7 @@ class Scheduler:
         self._issued: deque[_InFlight] = deque()  # posted, oldest first; left from the front
         self._cv = threading.Condition()
         self._closing = False
-        self.stats = {"rounds": 0, "partitions": 0, "bytes": 0, "negotiations": 0}
+        self.stats = {"rounds": 0, "partitions": 0, "bytes": 0, "negotiations": 0, "replayed_rounds": 0}
         self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"{name}-{fn.__name__}",
                                           daemon=True) for fn in (self._control, self._finisher)]
         for t in self._threads:
@@ -195,14 +209,34 @@ class Scheduler:
 
     def _control(self) -> None:
         round_ = 0
+        order: list[int] | None = None  # the last negotiated round's, while it may be replayed
         while True:
             with self._cv:
                 self._wait(lambda: any(c > round_ for c in self._ready))
-            self._control_round(round_)
+            if order is not None and round_ % RENEGOTIATE_EVERY:
+                self._replay_round(round_, order)
+                self.stats["replayed_rounds"] += 1
+            else:
+                issued = self._control_round(round_)
+                order = issued if self.backend.matched_by_order else None
             round_ += 1
             self.stats["rounds"] = round_
 
-    def _control_round(self, round_: int) -> None:
+    def _replay_round(self, round_: int, order: list[int]) -> None:
+        """Post in `order` (every rank's), each partition once it is ready here and fits the
+        credit beside this round's unfinished bytes (see the module's docstring)."""
+        for k, pid in enumerate(order):
+            def postable() -> bool:
+                unfinished = order[self._finished.get(round_, 0):k]
+                return self._ready[pid] > round_ and next_to_issue(
+                    {pid}, sum(self.sizes[p] for p in unfinished), self.sizes, self.credit) is not None
+
+            with self._cv:
+                self._wait(postable)
+            self._post(round_, pid)
+
+    def _control_round(self, round_: int) -> list[int]:
+        """A negotiated round; returns the order it issued in (the same on every rank)."""
         count = len(self.sizes)
         issued: list[int] = []
         issued_set: set[int] = set()
@@ -237,6 +271,7 @@ class Scheduler:
             self.stats["negotiations"] += 1
             everywhere = {p for p in range(count) if result[p] >= 1}
             self._issue(round_, issued, issued_set, everywhere, finished_everywhere=result[count])
+        return issued
 
     def _issue(self, round_, issued, issued_set, everywhere, finished_everywhere) -> None:
         """Issue, most urgent first, what is ready everywhere and fits in the credit."""
@@ -245,11 +280,14 @@ class Scheduler:
             choice = next_to_issue(everywhere - issued_set, in_flight, self.sizes, self.credit)
             if choice is None:
                 return
-            if self.trace is not None:
-                self.trace("post", choice, time.perf_counter_ns())
-            handle = self.backend.post(choice)
+            self._post(round_, choice)
             issued.append(choice)
             issued_set.add(choice)
-            with self._cv:
-                self._issued.append(_InFlight(round_, choice, handle))
-                self._cv.notify_all()
+
+    def _post(self, round_: int, pid: int) -> None:
+        if self.trace is not None:
+            self.trace("post", pid, time.perf_counter_ns())
+        handle = self.backend.post(pid)
+        with self._cv:
+            self._issued.append(_InFlight(round_, pid, handle))
+            self._cv.notify_all()

@@ -31,6 +31,7 @@ _MODEL_NUMBERS = itertools.count()  # the same sequence on every rank: names Hor
 
 class HorovodBackend(PartitionBuffers):
     in_order = False  # Horovod runs them in rank 0's order, and other ranks post in theirs
+    matched_by_order = False  # matched by name; its negotiate is local
 
     def __init__(self, name: str, op, prescale: float, postscale: float, partitions, grad_of, dtypes):
         """`name`: a prefix the same on every rank and unique to this model."""

@@ -41,6 +41,7 @@ class _PushPull:
 
 class PSBackend(TorchDistBackend):
     in_order = True
+    matched_by_order = False  # sends and receives per server: each round negotiated
 
     def __init__(self, group: Group, model: int, negotiation_group, partitions, grad_of, dtypes):
         super().__init__(None, negotiation_group, partitions, grad_of, dtypes)

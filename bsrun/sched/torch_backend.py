@@ -28,6 +28,7 @@ from bsrun.sched.buffers import PartitionBuffers
 
 class TorchDistBackend(PartitionBuffers):
     in_order = True  # one process group runs its collectives in the order they were posted
+    matched_by_order = True  # and pairs them across ranks by that order
 
     def __init__(self, data_group, negotiation_group, partitions, grad_of, dtypes, reduce=None):
         super().__init__(partitions, grad_of, dtypes)
