@@ -13,8 +13,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from bsrun.bench.runner import (MODES, RunResult, _late_decisions, bench_table, launch_args, run_bench, run_once,
-                                summarise)
+from bsrun.bench.launches import MODES, RunResult, _late_decisions, launch_args, run_once
+from bsrun.bench.runner import bench_table, run_bench, summarise
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
 from bsrun.sched.adaptive import SEARCH_STEPS

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from bsrun.bench.runner import launch_args, profile_args, run_bench, run_once, run_timeout_s
+from bsrun.bench.launches import launch_args, profile_args, run_once, run_timeout_s
+from bsrun.bench.runner import run_bench
 from bsrun.console import new_console
 from bsrun.fsutil import atomic_write_json
 from bsrun.profile import trace, whatif

@@ -1,9 +1,8 @@
 """The side-by-side benchmark: the same workload under each mode, on the same network.
 
-Each (model, bandwidth, mode, repeat) is one real launch, `bsrun ... -np N python -m
-bsrun.bench.worker ...` as a child process (bsrun.child: it ends with the benchmark), so a
-measurement runs exactly what a user runs. The
-modes of one model and bandwidth alternate (A B C A B C ...) so that drift on the
+Each (model, bandwidth, mode, repeat) is one real launch (bsrun/bench/launches.py), so a
+measurement runs exactly what a user runs; `replay` is a profiled launch replayed
+(bsrun/bench/replay.py). The modes of one model and bandwidth alternate (A B C A B C ...) so that drift on the
 machine hits all of them alike; speed is only ever reported as a ratio within one
 such group (DESIGN.md, "Measuring").
 
@@ -13,146 +12,29 @@ measures takes no CPU or memory from the workers it measures.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.table import Table
 
-from bsrun import child
+from bsrun.bench.launches import (MODES, ORDERS, SCHEDULED_MODES, RunResult, available_models, launch_args,
+                                  profile_for_tac, run_once, run_timeout_s)
+from bsrun.bench.replay import breakdown_line, replay_once
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
-from bsrun.launch.summary import decider_adaptation, rank_modes, read_last_run
-from bsrun.sched.adaptive import SEARCH_STEPS, describe_point
+from bsrun.sched.adaptive import SEARCH_STEPS
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
-MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound", "overlap")  # the worker's
-ORDERS = ("forward", "tic", "tac", "fifo")
 # The bench's modes: the worker's, "bsrun-fixed" (bsrun's defaults without adaptation),
 # "ps" (parameter servers unscheduled: each tensor whole, as it becomes ready, no credit
 # limit), "bsrun:ORDER" (bsrun with that --order) and "replay" (a profile of bsrun-fixed
-# replayed under a perfect schedule: whatif.best_schedule).
+# replayed under a perfect schedule: bsrun/bench/replay.py).
 BENCH_MODES = (*MODES, "bsrun-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS), "replay")
-SCHEDULED_MODES = ("bsrun", "bsrun-fixed", "bsrun-horovod", "ps",
-                   *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
-ADAPTING_MODES = ("bsrun",)  # bsrun's defaults, adaptation included; other scheduled modes: --no-adapt
 BASELINES = ("ddp", "horovod", "ps")  # each mode's speed is also given relative to these
-PS_BASELINE = ["--order", "fifo", "--partition", "tensor"]  # and the default credit: unlimited then
-TAIL_LINES = 20
-STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
-
-
-def run_timeout_s(steps: int, warmup: int) -> float:
-    """Generous: start-up plus 20 s a step; only a hung run should ever reach it."""
-    return 120.0 + 20.0 * (steps + warmup)
-
-
-@functools.cache
-def available_models() -> tuple[str, ...]:
-    """The worker's model names, asked from a child so this process stays torch-free."""
-    proc = subprocess.run([sys.executable, "-m", "bsrun.bench.worker", "--list-models"],
-                          capture_output=True, text=True, env=child.env(), timeout=120)
-    if proc.returncode != 0:
-        raise BsrunError(f"could not list the benchmark models: {_tail(proc.stdout + proc.stderr, 1)}")
-    return tuple(proc.stdout.split())
-
-
-@dataclass
-class RunResult:
-    """One launch: its step times (rank 0) or why it failed."""
-
-    mode: str
-    step_times: list[float] = field(default_factory=list)
-    info: dict = field(default_factory=dict)  # the worker's JSON
-    launched_as: str | None = None  # what the launcher's summary says the ranks ran as
-    error: str | None = None
-    kept: str | None = None  # the point rank 0's adaptation kept (mode bsrun)
-    late_decisions: list[str] = field(default_factory=list)  # adaptation's, inside the timed steps
-
-
-def _tail(text: str, lines: int = TAIL_LINES) -> str:
-    kept = text.strip().splitlines()[-lines:]
-    return "\n".join(kept) if kept else "(no output)"
-
-
-def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) -> list[str]:
-    """bsrun's flags for a mode: its scheduling, adaptation, order and, with --arch ps, the servers."""
-    if mode not in SCHEDULED_MODES:
-        return ["--no-schedule"]
-    flags = ["--schedule"] if mode in ADAPTING_MODES else ["--schedule", "--no-adapt"]
-    if mode == "ps" or (arch == "ps" and mode != "bsrun-horovod"):  # Horovod stays on its all-reduce
-        flags += ["--arch", "ps", "--servers", str(servers)]
-    if mode == "ps":
-        flags += PS_BASELINE
-    elif mode.startswith("bsrun:"):
-        order = mode.partition(":")[2]
-        flags += ["--order", f"tac:{profile}" if order == "tac" else order]
-    return flags
-
-
-def worker_mode(mode: str) -> str:
-    """The worker builds a DDP model for every bench mode that is not its own."""
-    return mode if mode in MODES else "bsrun"
-
-
-def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
-                warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
-                profile: Path | None = None) -> list[str]:
-    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only
-    "bsrun" adapts, and its warm-up has SEARCH_STEPS more steps: the bench compares steady
-    states, and the search's one-time cost is the adaptation's own figure."""
-    args = arch_flags(mode, arch, servers, profile)
-    if bandwidth is not None:
-        args += ["--emulate-bandwidth", bandwidth]
-    if mode == "bsrun":  # its timed steps start where its first search has settled
-        warmup += SEARCH_STEPS
-    args += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
-             "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-    if batch is not None:
-        args += ["--batch", str(batch)]
-    return args
-
-
-def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -> RunResult:
-    """Launch `bsrun ARGS` in cwd, wait, read rank 0's result; any failure becomes RunResult.error.
-
-    Ctrl-C stops the launch (bsrun tears down) before the caller sees it."""
-    code, output = child.run(args, timeout, STOP_GRACE_S, cwd=cwd)
-    if code is None:
-        return RunResult(mode, error=f"did not finish in {timeout:.0f} s and was stopped\n{_tail(output)}")
-    if code != 0:
-        return RunResult(mode, error=f"exited with code {code}\n{_tail(output)}")
-    try:
-        info = json.loads(out.read_text())
-        times = [float(t) for t in info["step_times"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return RunResult(mode, error=f"left no valid result in {out} ({e})\n{_tail(output)}")
-    run = read_last_run(cwd)
-    return RunResult(mode, times, info, "/".join(rank_modes(run)) if run else None, kept=_kept_point(run),
-                     late_decisions=_late_decisions(run, info.get("warmup", 0)))
-
-
-def _kept_point(run: dict | None) -> str | None:
-    """From the summary bsrun leaves in its folder: the point rank 0's adaptation ended on."""
-    adapt = decider_adaptation(run)
-    if not adapt or adapt.get("state") == "off":
-        return None
-    return f"{describe_point(adapt['point'])} ({adapt['state']})"
-
-
-def _late_decisions(run: dict | None, warmup: int) -> list[str]:
-    """Rank 0's adaptation decisions after the warm-up (a search or a drift re-check
-    among the timed steps), as `step N: why`: what a slower adaptive median may owe."""
-    adapt = decider_adaptation(run) or {}
-    return [f"step {d['step']}: {d['why']}" for d in adapt.get("switches", []) if d["step"] >= warmup]
 
 
 def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
@@ -242,7 +124,7 @@ def bench_table(model: str, records: list[dict]) -> Table:
                   "(ddp - bound) / ddp, the most a schedule can take off DDP's step; captured: "
                   "(ddp - mode) / (ddp - bound); (replay): the same against the replayed perfect schedule")
     bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
-    replayed = any(r["attainable_replay"] is not None for r in records)
+    replayed = any(r.get("attainable_replay") is not None for r in records)  # older records lack it
     replay_cols = ("attainable (replay)", "captured (replay)") if replayed else ()
     for col in ("bandwidth", "mode", "step (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
                 "efficiency", "attainable", "captured", *replay_cols, "repeats"):
@@ -288,58 +170,6 @@ def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, ar
     if unknown or not models:
         raise BsrunError(f"unknown model(s) {', '.join(unknown) or '(none given)'}; "
                          f"choose from {', '.join(known)}")
-
-
-def profile_args(folder: Path, model: str, mode: str, bandwidth: str | None, steps: int, warmup: int,
-                 batch: int | None, out: Path, record_steps: int | None = None, nproc: int = 2,
-                 arch: str = "allreduce", servers: int = 1) -> list[str]:
-    """`bsrun profile` of one bench run: the same launch, recorded into `folder`."""
-    profile = ["profile", "-o", str(folder), "--warmup", str(warmup)]
-    if record_steps:
-        profile += ["--steps", str(record_steps)]
-    return profile + launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out, arch, servers)
-
-
-def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
-                    arch: str, servers: int) -> Path:
-    """`bsrun:tac` orders by a profile of the same job on the same network: made first,
-    without adaptation (bsrun-fixed), so its recorded steps are of the configuration
-    `bsrun:tac` runs, not of adaptation's trials."""
-    folder = cwd / f"profile-{model}-{bandwidth or 'loopback'}"
-    args = profile_args(folder, model, "bsrun-fixed", bandwidth, 100, 2, batch, cwd / "profile-run.json",
-                        record_steps=4, nproc=nproc, arch=arch, servers=servers)
-    code, output = child.run(args, run_timeout_s(6, 2), STOP_GRACE_S, cwd=cwd)
-    if code != 0:
-        raise BsrunError(f"the profile for bsrun:tac failed:\n{_tail(output)}")
-    return folder
-
-
-def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmup: int, batch: int | None,
-                cwd: Path, rep: int) -> RunResult:
-    """The `replay` mode: `steps` profiled steps of bsrun-fixed after `warmup`, replayed
-    under a perfect schedule (whatif.best_schedule); its step times are the replay's
-    steady-state ones. The info keeps how well the replay of the profiled point itself
-    matched the profiled run's steps, which is how far to trust the estimate, and the
-    replay's account of the gap between the two (whatif.gap_breakdown)."""
-    from bsrun.profile import trace, whatif  # torch-free, but only this mode needs them
-
-    folder = cwd / f"replay-{model}-{bandwidth or 'loopback'}-{rep}"
-    args = profile_args(folder, model, "bsrun-fixed", bandwidth, steps + warmup + 1, warmup, batch,
-                        cwd / "replay-run.json", record_steps=steps, nproc=nproc)
-    code, output = child.run(args, run_timeout_s(steps, warmup), STOP_GRACE_S, cwd=cwd)
-    if code != 0:
-        ended = "did not finish" if code is None else f"exited with code {code}"
-        return RunResult("replay", error=f"the profile for the replay {ended}\n{_tail(output)}")
-    try:
-        fitted = whatif.fit(trace.load(folder))
-    except (BsrunError, ValueError, KeyError) as e:
-        return RunResult("replay", error=f"the profile for the replay could not be fitted ({e})\n{_tail(output)}")
-    best = whatif.best_schedule(fitted)
-    breakdown = whatif.gap_breakdown(fitted)
-    steady = best["step_times_s"][len(best["step_times_s"]) // 2:]
-    info = {"profiled_step_s": fitted.profiled["measured_step_s"], "replayed_profiled_s": breakdown[-1][1],
-            "breakdown": [list(row) for row in breakdown], "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}
-    return RunResult("replay", steady, info, launched_as="replayed")
 
 
 def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes: list[str],
@@ -391,7 +221,7 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                 for point in rec["kept_points"]:
                     console.print(f"{where}: adaptation kept {point}", highlight=False, markup=False)
                 if rec["replay_breakdown"]:
-                    console.print(_breakdown_line(where, rec), highlight=False, markup=False)
+                    console.print(breakdown_line(where, rec), highlight=False, markup=False)
                 for rep, late in enumerate(rec["late_decisions"]):
                     for decision in late:
                         console.print(f"{where} (repeat {rep + 1}): adaptation decided inside the timed steps, "
@@ -400,15 +230,6 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
                     console.print(f"[bold yellow]note[/bold yellow]: {model} {rec['bandwidth'] or 'loopback'} "
                                   f"bsrun ran as {'/'.join(rec['launched_as'])}, not scheduled", highlight=False)
     return results
-
-
-def _breakdown_line(where: str, rec: dict) -> str:
-    """The replay's account of the gap from a perfect schedule to bsrun-fixed's point,
-    each figure the median over the repeats."""
-    rows = zip(*rec["replay_breakdown"])
-    parts = [f"{rows_of[0][0]} {statistics.median(s for _, s in rows_of):.3f}" for rows_of in rows]
-    measured = statistics.median(m for m, _ in rec["replay_self_check"])
-    return f"{where}, from a perfect schedule to bsrun-fixed's point: {', '.join(parts)} s; measured {measured:.3f} s"
 
 
 def _report_run(console, model: str, label: str, rep: int, repeat: int, run: RunResult) -> None:

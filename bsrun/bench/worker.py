@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bsrun.bench import models
-from bsrun.bench.runner import MODES
+from bsrun.bench.launches import MODES
 from bsrun.fsutil import atomic_write_json
 from bsrun.sched.partition import ddp_buckets
 
