@@ -29,7 +29,6 @@ TAIL_LINES = 20
 STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
 
 
-
 def run_timeout_s(steps: int, warmup: int) -> float:
     """Generous: start-up plus 20 s a step; only a hung run should ever reach it."""
     return 120.0 + 20.0 * (steps + warmup)
@@ -145,15 +144,25 @@ def profile_args(folder: Path, model: str, mode: str, bandwidth: str | None, ste
     return profile + launch_args(model, mode, nproc, bandwidth, steps, warmup, batch, out, arch, servers)
 
 
+def profile_fixed(folder: Path, model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
+                  warmup: int, record_steps: int, arch: str = "allreduce", servers: int = 1) -> str | None:
+    """`bsrun profile` of the bench job as bsrun-fixed runs it (no adaptation, so the
+    recorded steps are of one configuration), `record_steps` after `warmup`, into
+    `folder`; the recording ends the job. None, or why it failed with the output's tail."""
+    args = profile_args(folder, model, "bsrun-fixed", bandwidth, warmup + record_steps + 1, warmup, batch,
+                        cwd / "profile-run.json", record_steps=record_steps, nproc=nproc, arch=arch, servers=servers)
+    code, output = child.run(args, run_timeout_s(record_steps, warmup), STOP_GRACE_S, cwd=cwd)
+    if code == 0:
+        return None
+    return f"{'did not finish' if code is None else f'exited with code {code}'}\n{_tail(output)}"
+
+
 def profile_for_tac(model: str, nproc: int, bandwidth: str | None, batch: int | None, cwd: Path,
                     arch: str, servers: int) -> Path:
-    """`bsrun:tac` orders by a profile of the same job on the same network: made first,
-    without adaptation (bsrun-fixed), so its recorded steps are of the configuration
-    `bsrun:tac` runs, not of adaptation's trials."""
+    """`bsrun:tac` orders by a profile of the same job on the same network (profile_fixed:
+    its recorded steps are of the configuration `bsrun:tac` runs, not of adaptation's trials)."""
     folder = cwd / f"profile-{model}-{bandwidth or 'loopback'}"
-    args = profile_args(folder, model, "bsrun-fixed", bandwidth, 100, 2, batch, cwd / "profile-run.json",
-                        record_steps=4, nproc=nproc, arch=arch, servers=servers)
-    code, output = child.run(args, run_timeout_s(6, 2), STOP_GRACE_S, cwd=cwd)
-    if code != 0:
-        raise BsrunError(f"the profile for bsrun:tac failed:\n{_tail(output)}")
+    error = profile_fixed(folder, model, nproc, bandwidth, batch, cwd, 2, 4, arch, servers)
+    if error is not None:
+        raise BsrunError(f"the profile for bsrun:tac failed: {error}")
     return folder

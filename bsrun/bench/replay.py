@@ -13,8 +13,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bsrun import child
-from bsrun.bench.launches import STOP_GRACE_S, RunResult, _tail, profile_args, run_timeout_s
+from bsrun.bench.launches import RunResult, profile_fixed
 from bsrun.errors import BsrunError
 from bsrun.profile import trace, whatif
 
@@ -27,18 +26,15 @@ def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmu
     matched the profiled run's steps, which is how far to trust the estimate, and the
     replay's account of the gap between the two (whatif.gap_breakdown)."""
     folder = cwd / f"replay-{model}-{bandwidth or 'loopback'}-{rep}"
-    args = profile_args(folder, model, "bsrun-fixed", bandwidth, steps + warmup + 1, warmup, batch,
-                        cwd / "replay-run.json", record_steps=steps, nproc=nproc)
-    code, output = child.run(args, run_timeout_s(steps, warmup), STOP_GRACE_S, cwd=cwd)
-    if code != 0:
-        ended = "did not finish" if code is None else f"exited with code {code}"
-        return RunResult("replay", error=f"the profile for the replay {ended}\n{_tail(output)}")
+    error = profile_fixed(folder, model, nproc, bandwidth, batch, cwd, warmup, steps)
+    if error is not None:
+        return RunResult("replay", error=f"the profile for the replay {error}")
     try:
         fitted = whatif.fit(trace.load(folder))
     except (BsrunError, ValueError, KeyError) as e:
-        return RunResult("replay", error=f"the profile for the replay could not be fitted ({e})\n{_tail(output)}")
+        return RunResult("replay", error=f"the profile for the replay could not be fitted ({e})")
     best = whatif.best_schedule(fitted)
-    breakdown = whatif.gap_breakdown(fitted)
+    breakdown = whatif.gap_breakdown(fitted, perfect_s=best["step_s"])
     steady = best["step_times_s"][len(best["step_times_s"]) // 2:]
     info = {"profiled_step_s": fitted.profiled["measured_step_s"], "replayed_profiled_s": breakdown[-1][1],
             "breakdown": [list(row) for row in breakdown], "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}

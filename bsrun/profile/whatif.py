@@ -388,15 +388,18 @@ def best_schedule(model: Model) -> dict:
     return predict_detail(perfect, PERFECT_PARTITION, PERFECT_PARTITION, scheduled=True)
 
 
-def gap_breakdown(model: Model) -> list[tuple[str, float]]:
+def gap_breakdown(model: Model, perfect_s: float | None = None) -> list[tuple[str, float]]:
     """From the perfect schedule to the replay of a scheduled profile's own point, one cost
     added back at a time: (what was added, replayed step s). Where the gap between a
-    perfect schedule and bsrun goes, by the replay's account."""
+    perfect schedule and bsrun goes, by the replay's account. `perfect_s`: best_schedule's
+    step when the caller has it (it is the slowest replay here)."""
     if not model.profiled.get("scheduled"):
         raise ValueError("a breakdown needs a profile of a scheduled run")
     partition, credit = model.profiled["partition"] or 1, model.profiled["credit"] or 1
     bare = _unburdened(model)
-    return [("a perfect schedule", best_schedule(model)["step_s"]),
+    if perfect_s is None:
+        perfect_s = best_schedule(model)["step_s"]
+    return [("a perfect schedule", perfect_s),
             ("+ the profiled partitions and credit", predict(replace(bare, alpha=0.0, decision=0.0),
                                                              partition, credit, True)),
             ("+ the fixed cost per collective", predict(replace(bare, decision=0.0), partition, credit, True)),
