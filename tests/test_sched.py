@@ -37,6 +37,20 @@ def test_fusion_never_mixes_dtypes():
     assert [len(p.pieces) for p in parts] == [1, 1, 1]
 
 
+def test_a_tensor_whose_module_never_runs_is_ordered_where_its_enclosing_module_reads_it():
+    """nn.MultiheadAttention reads out_proj.weight itself and never calls out_proj: its
+    tensors go beside the attention's own, not after the whole model (the first layer
+    would then wait for the last partition); a tensor with no used relative stays last."""
+    from bsrun.sched.task import forward_order
+
+    names = ["embed.weight", "layers.0.attn.in_proj_weight", "layers.0.attn.out_proj.weight",
+             "layers.0.attn.out_proj.bias", "layers.0.ff.weight", "layers.1.attn.in_proj_weight",
+             "layers.1.attn.out_proj.weight", "layers.1.ff.weight", "head.weight", "spare.weight"]
+    used = [0, 1, 4, 5, 7, 8]  # as the modules' forward pre-hooks fired
+    assert forward_order(used, names) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert forward_order(list(range(10)), names) == list(range(10))
+
+
 def test_order_must_be_a_permutation():
     with pytest.raises(ValueError):
         plan_partitions([info(4), info(4)], [0, 0], 100)

@@ -224,7 +224,7 @@ class ModelRuntime(Updates):
 
     def _start(self) -> None:
         """First synchronising backward: fix the priority order (rank 0's) and the partitions."""
-        forward = forward_order(self.first_use, len(self.params))
+        forward = forward_order(self.first_use, self.names)
         order = self._transfer_order(forward)
         mine = [self.partition_bytes, self.credit_bytes]
         fifo = transfer_order("fifo", forward, self.names, None)  # adaptation's; the forward order is local

@@ -258,7 +258,7 @@ def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: 
     return finish
 
 
-def _forward(rank: RankCompute, begin: float, layer_deps: dict[str, list[int]], done_at: dict[int, float],
+def _forward(rank: RankCompute, begin: float, layer_deps: dict[str, set[int]], done_at: dict[int, float],
              pending: set[int], model: Model, update_bytes: list[int]) -> float:
     """A rank's forward pass from `start`: before each layer, wait for its partitions still
     pending and apply every pending update that has arrived (bsrun's dependency proxy)."""
@@ -285,7 +285,7 @@ def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[li
         return buckets, [sum(params[i]["bytes"] for i in b) for b in buckets]
     index = {p["name"]: i for i, p in enumerate(params)}
     first_use = [index[n] for layer in model.forward_layers for n in model.layer_params.get(layer, []) if n in index]
-    order = task.forward_order(first_use, len(params))
+    order = task.forward_order(first_use, [p["name"] for p in params])
     infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"]) for p in params]
     parts = plan_partitions(infos, order, partition_bytes)
     return [sorted({pc.tensor for pc in part.pieces}) for part in parts], [part.nbytes for part in parts]
@@ -309,6 +309,16 @@ def compute_for(model: Model, scheduled: bool) -> list[RankCompute]:
     return out
 
 
+def _read_by(layer: str, ran: dict[str, float]) -> str:
+    """The layer whose forward reads `layer`'s parameters: itself if it ran, else its nearest
+    enclosing layer that did (nn.MultiheadAttention reads its never-called out_proj's
+    weight; under bsrun that read waits for it)."""
+    module = layer
+    while module and module not in ran:
+        module = module.rpartition(".")[0]
+    return module or layer
+
+
 def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bool,
                    iterations: int = REPLAY_ITERATIONS) -> dict:
     """The replay: rank 0's step times, iteration by iteration, and their steady-state median."""
@@ -320,8 +330,10 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
     for g, members in enumerate(groups):
         for i in members:
             group_of.setdefault(i, []).append(g)
-    layer_deps = {layer: sorted({g for n in names if n in index for g in group_of.get(index[n], [])})
-                  for layer, names in model.layer_params.items()}
+    layer_deps: dict[str, set[int]] = {}
+    for layer, names in model.layer_params.items():
+        layer_deps.setdefault(_read_by(layer, ranks[0].forward_at), set()).update(
+            g for n in names if n in index for g in group_of.get(index[n], []))
     done_at = {g: 0.0 for g in range(len(groups))}
     pending: list[set[int]] = [set() for _ in ranks]
     starts = [0.0] * len(ranks)

@@ -19,7 +19,9 @@ pass; every round (one synchronising backward pass) each partition then lives th
 `next_to_issue` is the whole issue rule. bsrun/sched/core.py decides with it on the
 ranks' agreed picture; bsrun/profile/whatif.py replays it on a profile's timings, so the
 prediction and the scheduler cannot drift apart. `forward_order` is the default priority
-both use: first use in the forward pass, then every tensor the pass did not use.
+both use: first use in the forward pass (a tensor its module's forward reads without
+running the module that owns it, beside that module's), then every tensor the pass did
+not use.
 
 Pure code: no torch, no threads.
 """
@@ -31,9 +33,28 @@ from typing import AbstractSet, Sequence
 from bsrun.sched.partition import Partition
 
 
-def forward_order(first_use: Sequence[int], count: int) -> list[int]:
-    """Tensor indices in first-use order, then those the forward pass did not use."""
-    return list(dict.fromkeys([*first_use, *range(count)]))
+def forward_order(first_use: Sequence[int], names: Sequence[str]) -> list[int]:
+    """Tensor indices in first-use order (`first_use`: as their modules' forward passes
+    began; `names`: each tensor's dotted parameter name). A tensor whose own module never
+    ran goes right after the last used tensor of its nearest enclosing module, which is
+    where that module's forward reads it (nn.MultiheadAttention uses `out_proj.weight`
+    itself and never calls `out_proj`); left last, its partition would go last and the
+    first layer would wait for it. A tensor with no used relative goes last."""
+    order = list(dict.fromkeys(first_use))
+    placed = set(order)
+    for i, name in enumerate(names):
+        if i in placed:
+            continue
+        module, at = name.rpartition(".")[0], len(order)
+        while module:
+            relatives = [k for k, j in enumerate(order) if names[j].startswith(module + ".")]
+            if relatives:
+                at = relatives[-1] + 1
+                break
+            module = module.rpartition(".")[0]
+        order.insert(at, i)
+        placed.add(i)
+    return order
 
 
 def next_to_issue(candidates: AbstractSet[int], in_flight_bytes: int, sizes: Sequence[int],
