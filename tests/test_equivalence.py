@@ -25,15 +25,15 @@ _PLAIN_RUNS: dict[tuple, tuple] = {}
 
 def train(workdir, name, script_args, bsrun_args=(), nproc=2):
     """Rank 0's saved state and the run summary of `bsrun BSRUN_ARGS -np N train_equiv.py ...`."""
-    key = (tuple(map(str, script_args)), nproc)
-    if list(bsrun_args) == ["--no-schedule"] and key in _PLAIN_RUNS:
+    plain, key = list(bsrun_args) == ["--no-schedule"], (tuple(map(str, script_args)), nproc)
+    if plain and key in _PLAIN_RUNS:
         saved, run = _PLAIN_RUNS[key]
         return torch.load(saved), copy.deepcopy(run)
     out = workdir / f"{name}.pt"
     run_bsrun([*bsrun_args, "-np", nproc, "python", SCRIPT, *script_args, "--out", out],
               cwd=workdir, check=True, timeout=600)
     run = last_run(workdir)
-    if list(bsrun_args) == ["--no-schedule"]:
+    if plain:
         _PLAIN_RUNS[key] = (out, copy.deepcopy(run))
     return torch.load(out), run
 
