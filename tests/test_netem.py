@@ -112,16 +112,46 @@ def test_namespaces_and_bridge_exist_inside_and_are_gone_after():
         names = set(leftovers(pid))
         assert {f"bsrun-{pid}-{i}" for i in range(3)} <= names
         assert f"bsrbr{pid}" in names
-        assert [h.addr for h in net.hosts] == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
-        assert net.master_addr == "198.18.0.1"
+        sub = net.subnet
+        assert re.fullmatch(r"198\.1[89]\.\d{1,3}\.", sub), sub
+        assert [h.addr for h in net.hosts] == [f"{sub}1", f"{sub}2", f"{sub}3"]
+        assert net.master_addr == f"{sub}1" and net.gateway_addr == f"{sub}254"
         inside = subprocess.run(net.wrap(2, ["ip", "-o", "addr", "show", "dev", "eth0"]),
                                 capture_output=True, text=True, timeout=10).stdout
-        assert "198.18.0.3/24" in inside
+        assert f"{sub}3/24" in inside
         assert net.env_for(1)["GLOO_SOCKET_IFNAME"] == "eth0"
         # A live owner's network is not stale.
         assert not [n for n in cleanup_stale() if str(pid) in n]
         assert set(leftovers(pid)) == names
     assert leftovers(pid) == []
+
+
+_OTHER_NETWORK = """
+import subprocess, sys
+from bsrun.launch.netem import EmulatedNetwork
+with EmulatedNetwork(2, None) as net:
+    route = subprocess.run(["ip", "route", "get", net.hosts[1].addr], capture_output=True, text=True).stdout
+    print(net.subnet, net.bridge, route.split(" dev ")[1].split()[0], flush=True)
+    sys.stdin.readline()  # up until the parent has looked
+"""
+
+
+@needs_root
+def test_two_networks_at_once_take_their_own_subnets_and_routes():
+    """Two emulated launches on one machine (one network per process): the root namespace
+    reaches each network's hosts through that network's own bridge."""
+    with EmulatedNetwork(2, None) as mine:
+        other = subprocess.Popen([sys.executable, "-c", _OTHER_NETWORK], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            subnet, bridge, route_dev = other.stdout.readline().split()
+            own_dev = _ip("route", "get", mine.hosts[1].addr).split(" dev ")[1].split()[0]
+        finally:
+            other.communicate("\n", timeout=30)
+        assert other.returncode == 0
+        assert subnet != mine.subnet
+        assert route_dev == bridge and own_dev == mine.bridge
+    assert leftovers(other.pid) == [] and leftovers(os.getpid()) == []
 
 
 @needs_root

@@ -13,9 +13,10 @@ can be found and removed by `cleanup_stale`):
     veth, bridge side   bsrv<pid>x<i>   (its peer is `eth0` inside namespace i)
 
 Nothing else on the host is touched: no global sysctl, no existing interface.
-Host i gets 198.18.0.(i+1)/24 (the RFC 2544 benchmark range) on its `eth0`; the
-bridge gets 198.18.0.254, so that servers of the launcher (Horovod's rendezvous) are
-reachable from every host.
+Each network takes a /24 of 198.18.0.0/15 (the RFC 2544 benchmark range) that no address
+in the root namespace uses yet, so two networks on one machine (two emulated launches at
+once) never route into each other. Host i gets .(i+1) on its `eth0`; the bridge gets .254,
+so that servers of the launcher (Horovod's rendezvous) are reachable from every host.
 
 This kernel offers tbf but not netem (CONFIG_NET_SCH_NETEM is off here), so a
 requested latency is only honoured where netem exists; otherwise it is a
@@ -28,7 +29,7 @@ import atexit
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bsrun.launch import netns
 from bsrun.launch.netns import NetemError, cleanup_stale
@@ -42,11 +43,11 @@ __all__ = [
     "cleanup_stale",
 ]
 
-SUBNET_PREFIX = "198.18.0."
+SUBNETS = 512  # the /24s of 198.18.0.0/15
 PREFIX_LEN = 24
 IFNAME = "eth0"
 MAX_HOSTS = 253  # .1 .. .253 in one /24
-GATEWAY_ADDR = SUBNET_PREFIX + "254"  # the bridge: the launcher's own address on the network
+GATEWAY_HOST = 254  # the bridge: the launcher's own address on the network
 IFNAMSIZ = 15  # usable characters in a Linux interface name
 
 # tbf: the bucket must hold at least one GSO super-packet (up to 64 KiB), or
@@ -105,6 +106,18 @@ def parse_latency(text: str, option: str = "--emulate-latency") -> float:
 # ---------------------------------------------------------------- network
 
 
+def free_subnet(owner_pid: int) -> str:
+    """The first /24 of 198.18.0.0/15, from one the pid picks, that no address in the root
+    namespace uses: "198.18.X." or "198.19.X."."""
+    used = set(re.findall(r"inet (198\.1[89]\.\d+)\.\d+/", netns.run("ip", "-o", "-4", "addr", "show")))
+    for k in range(SUBNETS):
+        i = (owner_pid + k) % SUBNETS
+        prefix = f"198.{18 + i // 256}.{i % 256}"
+        if prefix not in used:
+            return prefix + "."
+    raise NetemError("every /24 of 198.18.0.0/15 is in use on this machine; no room for another emulated network")
+
+
 @dataclass(frozen=True)
 class EmulatedHost:
     """One emulated machine: a namespace with one interface and one address."""
@@ -145,10 +158,8 @@ class EmulatedNetwork:
         self.latency_s = latency_s or None  # 0 means no delay: no netem needed
         self.owner_pid = os.getpid()
         self.bridge = f"bsrbr{self.owner_pid}"
-        self.hosts = [
-            EmulatedHost(index=i, netns=f"bsrun-{self.owner_pid}-{i}", addr=f"{SUBNET_PREFIX}{i + 1}")
-            for i in range(hosts)
-        ]
+        self.subnet = ""  # "198.18.X.": open() picks one no other network uses
+        self.hosts = [EmulatedHost(index=i, netns=f"bsrun-{self.owner_pid}-{i}", addr="") for i in range(hosts)]
         self._veths = [f"bsrv{self.owner_pid}x{i}" for i in range(hosts)]
         if any(len(name) > IFNAMSIZ for name in [self.bridge, *self._veths]):
             raise NetemError(
@@ -184,6 +195,8 @@ class EmulatedNetwork:
             cleanup_stale()
             # Leftovers of this very pid (an earlier network here whose close failed).
             netns.remove_owned(lambda pid: pid == self.owner_pid)
+            self.subnet = free_subnet(self.owner_pid)
+            self.hosts = [replace(h, addr=f"{self.subnet}{h.index + 1}") for h in self.hosts]
             self._create_bridge()
             for host in self.hosts:
                 self._create_host(host)
@@ -222,7 +235,7 @@ class EmulatedNetwork:
         """The switch in the root namespace that every host's link plugs into."""
         netns.run("ip", "link", "add", self.bridge, "type", "bridge")
         self._created.append(("link", self.bridge))
-        netns.run("ip", "addr", "add", f"{GATEWAY_ADDR}/{PREFIX_LEN}", "dev", self.bridge)
+        netns.run("ip", "addr", "add", f"{self.gateway_addr}/{PREFIX_LEN}", "dev", self.bridge)
         netns.run("ip", "link", "set", self.bridge, "up")
 
     def _create_host(self, host: EmulatedHost) -> None:
@@ -277,7 +290,7 @@ class EmulatedNetwork:
     @property
     def gateway_addr(self) -> str:
         """The launcher's address as the hosts see it (the bridge's)."""
-        return GATEWAY_ADDR
+        return f"{self.subnet}{GATEWAY_HOST}"
 
     def wrap(self, index: int, argv: list[str]) -> list[str]:
         """The command line that runs argv inside host `index`'s namespace."""
