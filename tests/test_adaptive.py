@@ -56,12 +56,15 @@ def test_the_search_tries_the_fitted_and_unscheduled_like_points_and_keeps_the_f
     assert decisions[-1].median_s == 0.5  # the kept point's; tried last, so no switch is needed
     assert decisions[-1].point is None and explorer.current == unscheduled_like()
     assert unscheduled_like() == Point(DDP_BUCKET_BYTES, UNLIMITED, "fifo", False)
+    assert decisions[1].why.endswith("link fitted: 1 ms a partition, 125 MB/s"), decisions[1].why
+    assert all("link fitted" not in d.why for d in decisions[2:])
 
 
 def test_the_starting_point_is_left_only_for_a_clearly_faster_one():
     explorer = Explorer(START, Fixed())
     decisions = search(explorer, lambda p: 1.0 if p == START else 1.0 - KEEP_MARGIN / 2, [])
     assert explorer.kept == START and decisions[-1].point == START  # switched back to it
+    assert decisions[1].why.endswith("the link could not be fitted")  # no transfers
 
 
 def test_knobs_the_user_fixed_stay_fixed_in_every_point():

@@ -16,6 +16,7 @@ waits for everything (as plain DDP does at the end of backward). The candidates:
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
   per-layer wait, so that bsrun can always fall back to what plain DDP does.
 Each is timed for one window (its first step, which pays the switch, is not timed); the
+decision after the incumbent's window says the fitted link (a, B) in its why; the
 fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster. Then,
 every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
 row off by more than DRIFT (the network or the load changed) start the search again,
@@ -174,8 +175,12 @@ class Explorer:
     def _search(self, median: float | None, transfers) -> Decision:
         if median is not None:
             self.timed[self.current] = median
+        fit = ""
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
-            candidates = [fitted_point(fit_link(transfers), self.current, self.model_bytes), unscheduled_like(), *self.others]
+            link = fit_link(transfers)
+            fit = "; the link could not be fitted" if link is None else \
+                f"; link fitted: {link[0] * 1e3:.3g} ms a partition, {link[1] / 1e6:.4g} MB/s"
+            candidates = [fitted_point(link, self.current, self.model_bytes), unscheduled_like(), *self.others]
             for point in candidates:
                 if point is not None:
                     point = self.fixed.apply(point)
@@ -183,8 +188,10 @@ class Explorer:
                         self.queue.append(point)
         if self.queue:
             self.current = self.queue.pop(0)
-            return Decision(self.current, "explore: " + self._name(self.current), median)
-        return self._keep(median)
+            return Decision(self.current, "explore: " + self._name(self.current) + fit, median)
+        decision = self._keep(median)
+        decision.why += fit
+        return decision
 
     def _name(self, point: Point) -> str:
         if point == self.fixed.apply(unscheduled_like()):
