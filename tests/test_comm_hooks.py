@@ -30,12 +30,21 @@ def max_diff(a, b) -> float:
 def test_hook_runs_scheduled_and_equals_plain_ddp_with_it(workdir, case):
     """allreduce is DDP's own averaging; fp16 compression is elementwise, so no layout changes
     it; PowerSGD at full rank is exact up to rounding and runs its whole machinery (error
-    feedback, per-bucket memories by index(), iterations counted by is_last())."""
+    feedback, per-bucket memories by index(), iterations counted by is_last()). Adaptation
+    (on by default) switches points mid-run under every hook but PowerSGD, whose state is
+    per bucket: the parameters stay equal through the switches."""
     plain, _, _ = train(workdir, case, ["--no-schedule"])
     sched, run, stderr = train(workdir, case, PARTITION)
     assert_scheduled(run, context=stderr)
     assert "not scheduling" not in stderr
     assert_same_state(sched, plain, atol=1e-6 if case == "powersgd-full" else 1e-8)
+    adapts = [r["adapt"] for r in run["ranks"]]
+    if case.startswith("powersgd"):
+        assert all(a["state"] == "off" and "PowerSGD" in a["why_off"] for a in adapts), adapts
+        return
+    steps = [[(s["step"], s["point"]) for s in a["switches"]] for a in adapts]
+    assert steps[0] == steps[1], f"the ranks switched differently: {steps}"
+    assert len({str(point) for _, point in steps[0]}) >= 2, f"adaptation never left its first point: {steps[0]}"
 
 
 @pytest.mark.slow

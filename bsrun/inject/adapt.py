@@ -8,8 +8,10 @@ first finishes the round and applies every pending update: parameters are exactl
 they would have been without the switch. Only rank 0's clock and transfers count.
 
 Off (said in the run summary, with why): --no-adapt; a tuning trial or a profile, which
-measure the point as given, unless --adapt was given; a DDP comm hook (its state is per
-bucket); a model under Join (a joined rank stops stepping, so it could not take part).
+measure the point as given, unless --adapt was given; PowerSGD (its state is per bucket;
+the other hooks bsrun runs are stateless and elementwise, so a new layout cannot change
+what they compute); a model under Join (a joined rank stops stepping, so it could not take
+part).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ class Adapter:
 
     def started(self) -> None:
         """The runtime has its first layout (every rank, the same backward pass)."""
-        if self.why_off is None and self.runtime.transport.reduce is not None:
-            self.why_off = "a DDP comm hook keeps state per bucket"
+        hook = getattr(self.runtime.transport, "reduce", None)  # a DDP comm hook: the torch transport only
+        if self.why_off is None and hook is not None and hook.powersgd:
+            self.why_off = "PowerSGD keeps state per bucket (error feedback, warm start), which a new layout would lose"
         if self.why_off is not None or self.explorer is not None:
             return
         rt = self.runtime
