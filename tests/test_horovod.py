@@ -70,6 +70,12 @@ def test_scheduled_horovod_equals_plain_horovodrun(workdir, case):
     if partition == "64MB":
         assert r0["partitions"] == r0["rounds"], "a huge partition fuses the whole model into one"
     assert_same_state(sched, plain)
+    # adaptation (on by default) switched points mid-run, at the same steps on both ranks,
+    # and the parameters above stayed Horovod's through the switches
+    switches = [[(s["step"], s["point"]) for s in r["adapt"]["switches"]] for r in run["ranks"]]
+    assert switches[0] == switches[1], f"the ranks switched differently: {switches}"
+    if "--steps" not in args:  # 12 optimizer steps: the start (step 2) and one more point (step 6)
+        assert len({str(point) for _, point in switches[0]}) >= 2, f"adaptation never switched: {switches[0]}"
 
 
 @pytest.mark.slow

@@ -102,7 +102,6 @@ def DistributedOptimizer(*args, **kwargs):
                        "is scheduled over Horovod's all-reduce")
     rt = ModelRuntime(named, modules, config, HorovodTransport(a["op"], a["gradient_predivide_factor"]),
                       passes_per_sync=a["backward_passes_per_step"])
-    rt.adapter.stop("Horovod: not adapted yet, its points stay as configured")
     _give_horovod_methods(optimizer, rt)
     state.set_mode("scheduled")
     return optimizer

@@ -66,6 +66,7 @@ class HorovodBackend(PartitionBuffers):
 class HorovodTransport:
     def __init__(self, op, gradient_predivide_factor: float):
         self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
+        self._layouts = itertools.count()
         self.op = op
         average = op == hvd.Average
         self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
@@ -76,7 +77,12 @@ class HorovodTransport:
         return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
 
     def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
-        return HorovodBackend(self.name, self.op, self.prescale, self.postscale, partitions, grad_of, dtypes)
+        """Each layout's partitions under names of their own (every rank lays out as often,
+        at the same steps): a partition id of a new layout is another tensor, of another
+        size, and Horovod matches and caches collectives by name."""
+        layout = next(self._layouts)
+        return HorovodBackend(f"{self.name}.l{layout}", self.op, self.prescale, self.postscale,
+                              partitions, grad_of, dtypes)
 
     def credit(self, credit_bytes: int) -> int:
         """Rank 0 alone holds back; the others submit all that is ready (see above)."""
