@@ -90,6 +90,41 @@ def assert_scheduled(run: dict, ranks: int = 2, context: str = "") -> None:
         assert r.get("partitions", 0) > 0 and r.get("bytes", 0) > 0, f"rank {r['rank']} scheduled nothing: {r}\n{context}"
 
 
+POINT_KEYS = {"partition", "credit_bytes", "order", "proxy"}  # an adaptation point in the run summary
+
+
+def adapt_of(summary: dict, rank: int) -> dict:
+    """rank's `adapt` record, its shape checked."""
+    entry = summary["ranks"][rank]
+    assert "adapt" in entry, f"rank {rank}'s summary has no 'adapt': {sorted(entry)}"
+    adapt = entry["adapt"]
+    assert adapt["state"] in ("off", "exploring", "settled"), adapt
+    assert set(adapt["point"]) == POINT_KEYS, f"rank {rank}'s point: {adapt['point']}"
+    for s in adapt["switches"]:
+        assert set(s) >= {"step", "point", "why", "median_s"} and set(s["point"]) == POINT_KEYS, s
+    return adapt
+
+
+def agreed(switches: list[dict]) -> list[tuple]:
+    """What every rank must share: the step of each switch and the point switched to."""
+    return [(s["step"], s["point"]) for s in switches]
+
+
+def show(switches: list[dict]) -> str:
+    return "\n".join(f"  step {s['step']:>4}: {s['why']:<12} {s['point']} median {s['median_s']}"
+                     for s in switches) or "  (none)"
+
+
+def assert_same_switches(summary: dict) -> list[dict]:
+    """Rank 0's and rank 1's switches: the same steps and points; rank 0's, returned."""
+    a0, a1 = adapt_of(summary, 0), adapt_of(summary, 1)
+    assert agreed(a0["switches"]) == agreed(a1["switches"]), \
+        f"the ranks switched differently\nrank 0:\n{show(a0['switches'])}\nrank 1:\n{show(a1['switches'])}"
+    steps = [s["step"] for s in a0["switches"]]
+    assert steps == sorted(set(steps)) and all(s >= 1 for s in steps), f"switch steps not increasing: {steps}"
+    return a0["switches"]
+
+
 def assert_same_state(a, b, path="state", atol=1e-8):
     if isinstance(a, torch.Tensor):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=atol), \

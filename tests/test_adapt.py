@@ -22,13 +22,12 @@ import time
 import pytest
 import torch
 
-from conftest import (WORKERS, assert_same_state, assert_scheduled, bsrun_env, bsrun_namespaces,
-                      last_run, run_bsrun)
+from conftest import (WORKERS, adapt_of, assert_same_state, assert_same_switches, assert_scheduled, bsrun_env,
+                      bsrun_namespaces, last_run, run_bsrun, show)
 
 from bsrun.config import UNLIMITED_CREDIT
 from bsrun.sched.adaptive import DRIFT_WINDOWS, WARMUP_STEPS, WINDOW
 
-POINT_KEYS = {"partition", "credit_bytes", "order", "proxy"}
 DDP_LIKE_PARTITION = 25 * 2**20
 # The configured point, the fitted one and the DDP-like one are timed one window each and
 # one is kept at the next boundary: by step WARMUP_STEPS + 3 * WINDOW (14). The run ends
@@ -53,38 +52,6 @@ def train(workdir, name, bsrun_args, opt, steps=STEPS):
     saved = {r: workdir / f"{name}-rank{r}.pt" for r in (0, 1)}
     assert all(p.exists() for p in saved.values()), "adapt_train.py did not save both ranks' states"
     return {r: torch.load(p) for r, p in saved.items()}, last_run(workdir)
-
-
-def adapt_of(summary: dict, rank: int) -> dict:
-    """rank's `adapt` record, its shape checked."""
-    entry = summary["ranks"][rank]
-    assert "adapt" in entry, f"rank {rank}'s summary has no 'adapt': {sorted(entry)}"
-    adapt = entry["adapt"]
-    assert adapt["state"] in ("off", "exploring", "settled"), adapt
-    assert set(adapt["point"]) == POINT_KEYS, f"rank {rank}'s point: {adapt['point']}"
-    for s in adapt["switches"]:
-        assert set(s) >= {"step", "point", "why", "median_s"} and set(s["point"]) == POINT_KEYS, s
-    return adapt
-
-
-def agreed(switches: list[dict]) -> list[tuple]:
-    """What every rank must share: the step of each switch and the point switched to."""
-    return [(s["step"], s["point"]) for s in switches]
-
-
-def show(switches: list[dict]) -> str:
-    return "\n".join(f"  step {s['step']:>4}: {s['why']:<12} {s['point']} median {s['median_s']}"
-                     for s in switches) or "  (none)"
-
-
-def assert_same_switches(summary: dict) -> list[dict]:
-    """Rank 0's and rank 1's switches: the same steps and points; rank 0's, returned."""
-    a0, a1 = adapt_of(summary, 0), adapt_of(summary, 1)
-    assert agreed(a0["switches"]) == agreed(a1["switches"]), \
-        f"the ranks switched differently\nrank 0:\n{show(a0['switches'])}\nrank 1:\n{show(a1['switches'])}"
-    steps = [s["step"] for s in a0["switches"]]
-    assert steps == sorted(set(steps)) and all(s >= 1 for s in steps), f"switch steps not increasing: {steps}"
-    return a0["switches"]
 
 
 # ---------------------------------------------------------------- exploration, exactly

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, WORKERS, assert_same_state, bsrun_env, bsrun_namespaces, last_run, run_bsrun
+from conftest import (REPO, WORKERS, assert_same_state, assert_same_switches, bsrun_env, bsrun_namespaces, last_run,
+                      run_bsrun, show)
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed (scripts/install-horovod.sh)")
 SCRIPT = WORKERS / "train_hvd.py"
@@ -72,10 +73,9 @@ def test_scheduled_horovod_equals_plain_horovodrun(workdir, case):
     assert_same_state(sched, plain)
     # adaptation (on by default) switched points mid-run, at the same steps on both ranks,
     # and the parameters above stayed Horovod's through the switches
-    switches = [[(s["step"], s["point"]) for s in r["adapt"]["switches"]] for r in run["ranks"]]
-    assert switches[0] == switches[1], f"the ranks switched differently: {switches}"
+    switches = assert_same_switches(run)
     if "--steps" not in args:  # 12 optimizer steps: the start (step 2) and one more point (step 6)
-        assert len({str(point) for _, point in switches[0]}) >= 2, f"adaptation never switched: {switches[0]}"
+        assert len({str(s["point"]) for s in switches}) >= 2, f"adaptation never switched:\n{show(switches)}"
 
 
 @pytest.mark.slow
