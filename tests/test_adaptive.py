@@ -5,8 +5,7 @@ across ranks and exactness through switches are tests/test_adapt.py's."""
 import pytest
 
 from bsrun.sched.adaptive import (DDP_BUCKET_BYTES, DRIFT_WINDOWS, KEEP_MARGIN, MAX_PARTITION, MIN_PARTITION,
-                                  UNLIMITED, Explorer, Fixed, Point, fit_link, fitted_point, service_times,
-                                  unscheduled_like)
+                                  UNLIMITED, Explorer, Fixed, Point, fit_link, fitted_point, unscheduled_like)
 
 START = Point(4 * 2**20, 8 * 2**20, "forward", True)
 
@@ -32,10 +31,6 @@ def test_the_fitted_partition_grows_with_the_bandwidth_and_stays_in_range():
     assert fitted_point((1.0, 1e12), START).partition == MAX_PARTITION
     assert fitted_point(None, START) is None
     assert fitted_point((1e-3, 6.25e6), START, model_bytes=512 * 2**20).partition == 4 * 2**20  # 128 a step
-
-
-def test_service_times_count_from_the_previous_finish_on_one_channel():
-    assert service_times([(10, 0.0, 1.0), (20, 0.5, 3.0), (30, 5.0, 6.0)]) == [(10, 1.0), (20, 2.0), (30, 1.0)]
 
 
 def search(explorer, times_of, transfers):

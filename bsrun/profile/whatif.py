@@ -6,23 +6,22 @@ where each parameter's gradient is ready in the backward pass, and the compute b
 between and after the passes, with waits and updates taken out); an update cost
 (a + b * bytes per optimizer call, least squares over the recorded updates); and an
 alpha-beta model of the link, t = alpha + beta * bytes per collective, least squares
-over the recorded transfers, each timed from when the link was free for it (posted, or
-the one before finished) to its end. For scheduled runs also the decision latency: how
-long after a partition was ready on every rank, and the credit allowed it, it was posted.
+over the transfers' shares of the link (sched/link.py: gloo runs two at once, Horovod
+one). For scheduled runs also the decision latency: how long after a partition was
+ready on every rank, and the credit allowed it, it was posted.
 
 `predict(model, partition_bytes, credit_bytes, scheduled)` replays a few iterations of
-compute and communication, event by event, and returns the steady-state step time (s):
-
+compute and communication, event by event, transfers on the link as the fit read it
+(sched/link.SharedLink), and returns the steady-state step time (s):
 - scheduled (bsrun): partitions from bsrun.sched.partition.plan_partitions in the
   forward pass's first-use order; a partition is issued when it is ready on every rank
   (plus the decision latency) by the scheduler's own rule (bsrun.sched.task.next_to_issue:
-  most urgent first, while the bytes in flight stay within the credit); transfers share
-  one link, in issue order;
-  each layer's next forward waits for its own partitions and applies the updates that
-  are ready (the dependency proxy); step() updates what has arrived.
+  most urgent first, while the bytes in flight stay within the credit); each layer's next
+  forward waits for its own partitions and applies the updates that are ready (the
+  dependency proxy); step() updates what has arrived.
 - unscheduled (DDP): DDP's buckets (bsrun.sched.partition.ddp_buckets) in the order
-  gradients became ready, each all-reduced once it and the ones before it are ready on every rank; the
-  backward pass ends by waiting for every bucket, then one full optimizer step.
+  gradients became ready, each all-reduced once it and the ones before it are ready on
+  every rank; the backward pass ends by waiting for every bucket, then a full step.
 
 Between modes the compute changes by what scheduling costs the training thread, a
 constant per gradient tensor measured on this machine (SCHEDULING_S_PER_TENSOR); ranks
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
 from bsrun.sched import task
+from bsrun.sched.link import GLOO_WORKERS, SharedLink, service_times
 from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 
 # What scheduling costs the training thread per gradient tensor and iteration (grad hooks,
@@ -79,6 +79,7 @@ class Model:
     ranks: list[RankCompute]
     alpha: float                     # s per collective
     beta: float                      # s per byte
+    channels: int                    # collectives the link serves at once (gloo 2, Horovod 1)
     update_a: float                  # s per optimizer call
     update_b: float                  # s per byte updated
     decision: float                  # s from ready everywhere (and credit) to posted
@@ -130,15 +131,11 @@ def _collectives(views: list[RankView]) -> list[dict]:
     return out
 
 
-def fit_link(collectives: list[dict]) -> tuple[float, float]:
-    xs, ys, free = [], [], None
-    for c in sorted(collectives, key=lambda c: c["finished"]):
-        start = c["posted"] if free is None else max(c["posted"], free)
-        free = c["finished"]
-        if c["finished"] > start:
-            xs.append(float(c["bytes"]))
-            ys.append(c["finished"] - start)
-    return least_squares(xs, ys)
+def fit_link(collectives: list[dict], channels: int) -> tuple[float, float]:
+    """(alpha, beta) over the collectives' shares of the link (sched/link.service_times)."""
+    shares = service_times([(c["bytes"], c["posted"], c["finished"]) for c in collectives], channels)
+    samples = [(float(b), t) for b, t in shares if t > 0]
+    return least_squares([b for b, _ in samples], [t for _, t in samples])
 
 
 def fit_decision(collectives: list[dict], credit: int) -> float:
@@ -220,7 +217,8 @@ def fit(trace: dict) -> Model:
     if not ranks:
         raise ValueError("the profile holds no complete iteration (a forward and a backward pass between two steps)")
     collectives = _collectives(views)
-    alpha, beta = fit_link(collectives)
+    channels = 1 if meta.get("comm") == ["horovod"] else GLOO_WORKERS
+    alpha, beta = fit_link(collectives, channels)
     config = meta.get("config") or {}
     credit = config.get("credit_bytes") or 0
     decision = fit_decision(collectives, credit) if scheduled else alpha
@@ -229,7 +227,7 @@ def fit(trace: dict) -> Model:
     update_a, update_b = _update_fit(views, meta["params"])
     scheduling_cost = SCHEDULING_S_PER_TENSOR * len(meta["params"])
     return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
-                 ranks, alpha, beta, update_a, update_b, decision,
+                 ranks, alpha, beta, channels, update_a, update_b, decision,
                  bool(meta.get("sync_buffers")), scheduling_cost,
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
                   "credit_spec": config.get("credit"), "transfers": len(collectives),
@@ -240,21 +238,22 @@ def fit(trace: dict) -> Model:
 
 
 def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: float, beta: float,
-                 decision: float, link_free: float) -> dict[int, float]:
-    """Finish time of each partition of one round under the scheduler's issue rule."""
+                 decision: float, link_free: float, channels: int = 1) -> dict[int, float]:
+    """Finish time of each partition of one round under the scheduler's issue rule, on a
+    link free from `link_free` that serves `channels` at once."""
     known = {p: t + decision for p, t in ready.items()}
-    finish: dict[int, float] = {}
+    link, posted, finish = SharedLink(channels, link_free), set(), {}
     t = min(known.values())
     while len(finish) < len(known):
-        candidates = {p for p, k in known.items() if p not in finish and k <= t}
-        in_flight = sum(sizes[p] for p, f in finish.items() if f > t)
-        p = task.next_to_issue(candidates, in_flight, sizes, credit)
+        candidates = {p for p, k in known.items() if p not in posted and k <= t}
+        p = task.next_to_issue(candidates, sum(sizes[p] for p in posted - finish.keys()), sizes, credit)
         if p is not None:
-            start = max(t, link_free)
-            link_free = finish[p] = start + alpha + beta * sizes[p]
+            finish.update(link.post(p, t, alpha + beta * sizes[p]))
+            posted.add(p)
             continue
-        later = [k for p, k in known.items() if p not in finish and k > t] + [f for f in finish.values() if f > t]
-        t = min(later)
+        nxt = link.next_finish()
+        t = min([k for p, k in known.items() if p not in posted and k > t] + ([nxt] if nxt is not None else []))
+        finish.update(link.advance(t))
     return finish
 
 
@@ -352,13 +351,14 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
                 ready[g] = max(ready.get(g, 0.0), b0 + at)
             ends.append(b0 + rank.backward)
         if scheduled:
-            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free)
+            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free,
+                                   model.channels)
         else:
-            done_at, posted = {}, 0.0
+            link, posted, done_at = SharedLink(model.channels, link_free), 0.0, {}
             for g in range(len(groups)):  # in order: a bucket goes once it and those before are ready
                 posted = max(posted, ready[g])
-                start = max(posted + model.decision, link_free)
-                link_free = done_at[g] = start + model.alpha + model.beta * sizes[g]
+                done_at.update(link.post(g, posted + model.decision, model.alpha + model.beta * sizes[g]))
+            done_at.update(link.drain())
         link_free = max(done_at.values(), default=link_free)
         for r, rank in enumerate(ranks):
             t = ends[r]

@@ -9,8 +9,9 @@ size, the credit, the transfer order (the configured one, or fifo: as gradients 
 ready) and whether the next forward waits per layer (the dependency proxy) or step()
 waits for everything (as plain DDP does at the end of backward). The candidates:
 - the incumbent: the configured point (or the one a previous run or `bsrun tune` left);
-- the fitted point: from the run's own transfers a per-partition fixed cost `a` and a
-  bandwidth `B` (service time = a + bytes / B); the partition that keeps `a` to a tenth of
+- the fitted point: from the run's own transfers (each one's share of the link while it
+  ran, bsrun/sched/link.py) a per-partition fixed cost `a` and a bandwidth `B` (service
+  time = a + bytes / B); the partition that keeps `a` to a tenth of
   a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB, and at
   most MAX_PARTITIONS a step), credit 2x;
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
@@ -114,17 +115,6 @@ def fitted_point(link: tuple[float, float] | None, incumbent: Point, model_bytes
     while partition * 2 <= target:
         partition *= 2
     return Point(partition, 2 * partition, incumbent.order if incumbent.order != "fifo" else "forward", True)
-
-
-def service_times(events: Sequence[tuple[int, float, float]]) -> list[tuple[int, float]]:
-    """(bytes, post s, finish s) of collectives run in posting order on one channel ->
-    (bytes, service s): each from its post or the previous finish, whichever is later."""
-    out, previous = [], None
-    for nbytes, posted, finished in sorted(events, key=lambda e: e[1]):
-        start = posted if previous is None else max(posted, previous)
-        out.append((nbytes, finished - start))
-        previous = finished
-    return out
 
 
 @dataclass
