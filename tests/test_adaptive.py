@@ -11,7 +11,8 @@ START = Point(4 * 2**20, 8 * 2**20, "forward", True)
 
 
 def link_samples(fixed_s, bandwidth, sizes):
-    return [(b, fixed_s + b / bandwidth) for b in sizes]
+    """(bytes, posted, finished) of collectives one second apart, each alone on the link."""
+    return [(b, float(i), i + fixed_s + b / bandwidth) for i, b in enumerate(sizes)]
 
 
 def test_the_link_fit_recovers_fixed_cost_and_bandwidth():
@@ -20,7 +21,7 @@ def test_the_link_fit_recovers_fixed_cost_and_bandwidth():
     # equal sizes cannot separate the two: a small fixed cost is assumed, the rate still follows
     fixed, bandwidth = fit_link(link_samples(1e-3, 1.25e8, [2**20] * 5))
     assert 0 < fixed <= 1e-3 and bandwidth == pytest.approx(2**20 / (1e-3 + 2**20 / 1.25e8 - fixed))
-    assert fit_link([(2**20, 0.01)] * 2) is None
+    assert fit_link([]) is None and fit_link([(2**20, 1.0, 1.0)]) is None
 
 
 def test_the_fitted_partition_grows_with_the_bandwidth_and_stays_in_range():

@@ -23,7 +23,6 @@ from dataclasses import replace
 from bsrun.config import ADAPT_START_ENV, PROFILE_DIR_ENV, TRIAL_OUT_ENV, worker_setting
 from bsrun.inject import state
 from bsrun.sched.adaptive import WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, describe_point
-from bsrun.sched.link import service_times
 from bsrun.trace_events import NOTE
 
 _ORDERS = ("configured", "fifo")  # a point's order on the wire: the agreed configured order, or fifo
@@ -145,8 +144,7 @@ class Adapter:
             return self.explorer.start()
         skip = 2 if self.switched_at and self.switched_at == self.steps - WINDOW else 1
         times = [b - a for a, b in zip(self.boundaries[skip - 1:], self.boundaries[skip:])]
-        transfers = service_times(self.transfers or [], self.runtime.transport.channels)
-        return self.explorer.window_done(times, transfers)
+        return self.explorer.window_done(times, self.transfers or [])
 
     # --- every rank ----------------------------------------------------------------------
 

@@ -6,22 +6,23 @@ where each parameter's gradient is ready in the backward pass, and the compute b
 between and after the passes, with waits and updates taken out); an update cost
 (a + b * bytes per optimizer call, least squares over the recorded updates); and an
 alpha-beta model of the link, t = alpha + beta * bytes per collective, least squares
-over the transfers' shares of the link (sched/link.py: gloo runs two at once, Horovod
-one). For scheduled runs also the decision latency: how long after a partition was
-ready on every rank, and the credit allowed it, it was posted.
+over the link's busy periods (bsrun/sched/link.py: runs of overlapping transfers, which
+gloo's connection serves as one FIFO stream). For scheduled runs also the decision latency: how
+long after a partition was ready on every rank, and the credit allowed it, it was posted.
 
 `predict(model, partition_bytes, credit_bytes, scheduled)` replays a few iterations of
-compute and communication, event by event, transfers on the link as the fit read it
-(sched/link.SharedLink), and returns the steady-state step time (s):
+compute and communication, event by event, and returns the steady-state step time (s):
+
 - scheduled (bsrun): partitions from bsrun.sched.partition.plan_partitions in the
   forward pass's first-use order; a partition is issued when it is ready on every rank
   (plus the decision latency) by the scheduler's own rule (bsrun.sched.task.next_to_issue:
-  most urgent first, while the bytes in flight stay within the credit); each layer's next
-  forward waits for its own partitions and applies the updates that are ready (the
-  dependency proxy); step() updates what has arrived.
+  most urgent first, while the bytes in flight stay within the credit); transfers share
+  one link, in issue order;
+  each layer's next forward waits for its own partitions and applies the updates that
+  are ready (the dependency proxy); step() updates what has arrived.
 - unscheduled (DDP): DDP's buckets (bsrun.sched.partition.ddp_buckets) in the order
-  gradients became ready, each all-reduced once it and the ones before it are ready on
-  every rank; the backward pass ends by waiting for every bucket, then a full step.
+  gradients became ready, each all-reduced once it and the ones before it are ready on every rank; the
+  backward pass ends by waiting for every bucket, then one full optimizer step.
 
 Between modes the compute changes by what scheduling costs the training thread, a
 constant per gradient tensor measured on this machine (SCHEDULING_S_PER_TENSOR); ranks
@@ -40,8 +41,7 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 
 from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
-from bsrun.sched import task
-from bsrun.sched.link import GLOO_WORKERS, SharedLink, service_times
+from bsrun.sched import link, task
 from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 
 # What scheduling costs the training thread per gradient tensor and iteration (grad hooks,
@@ -79,7 +79,6 @@ class Model:
     ranks: list[RankCompute]
     alpha: float                     # s per collective
     beta: float                      # s per byte
-    channels: int                    # collectives the link serves at once (gloo 2, Horovod 1)
     update_a: float                  # s per optimizer call
     update_b: float                  # s per byte updated
     decision: float                  # s from ready everywhere (and credit) to posted
@@ -131,11 +130,10 @@ def _collectives(views: list[RankView]) -> list[dict]:
     return out
 
 
-def fit_link(collectives: list[dict], channels: int) -> tuple[float, float]:
-    """(alpha, beta) over the collectives' shares of the link (sched/link.service_times)."""
-    shares = service_times([(c["bytes"], c["posted"], c["finished"]) for c in collectives], channels)
-    samples = [(float(b), t) for b, t in shares if t > 0]
-    return least_squares([b for b, _ in samples], [t for _, t in samples])
+def fit_link(collectives: list[dict]) -> tuple[float, float]:
+    """(alpha, beta); (0, 0) when the transfers are too few to fit."""
+    return link.fit([(c["bytes"], c["posted"], c["finished"]) for c in collectives], fixed_if_unknown=0.0) \
+        or (0.0, 0.0)
 
 
 def fit_decision(collectives: list[dict], credit: int) -> float:
@@ -217,8 +215,7 @@ def fit(trace: dict) -> Model:
     if not ranks:
         raise ValueError("the profile holds no complete iteration (a forward and a backward pass between two steps)")
     collectives = _collectives(views)
-    channels = 1 if meta.get("comm") == ["horovod"] else GLOO_WORKERS
-    alpha, beta = fit_link(collectives, channels)
+    alpha, beta = fit_link(collectives)
     config = meta.get("config") or {}
     credit = config.get("credit_bytes") or 0
     decision = fit_decision(collectives, credit) if scheduled else alpha
@@ -227,7 +224,7 @@ def fit(trace: dict) -> Model:
     update_a, update_b = _update_fit(views, meta["params"])
     scheduling_cost = SCHEDULING_S_PER_TENSOR * len(meta["params"])
     return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
-                 ranks, alpha, beta, channels, update_a, update_b, decision,
+                 ranks, alpha, beta, update_a, update_b, decision,
                  bool(meta.get("sync_buffers")), scheduling_cost,
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
                   "credit_spec": config.get("credit"), "transfers": len(collectives),
@@ -238,22 +235,21 @@ def fit(trace: dict) -> Model:
 
 
 def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: float, beta: float,
-                 decision: float, link_free: float, channels: int = 1) -> dict[int, float]:
-    """Finish time of each partition of one round under the scheduler's issue rule, on a
-    link free from `link_free` that serves `channels` at once."""
+                 decision: float, link_free: float) -> dict[int, float]:
+    """Finish time of each partition of one round under the scheduler's issue rule."""
     known = {p: t + decision for p, t in ready.items()}
-    link, posted, finish = SharedLink(channels, link_free), set(), {}
+    finish: dict[int, float] = {}
     t = min(known.values())
     while len(finish) < len(known):
-        candidates = {p for p, k in known.items() if p not in posted and k <= t}
-        p = task.next_to_issue(candidates, sum(sizes[p] for p in posted - finish.keys()), sizes, credit)
+        candidates = {p for p, k in known.items() if p not in finish and k <= t}
+        in_flight = sum(sizes[p] for p, f in finish.items() if f > t)
+        p = task.next_to_issue(candidates, in_flight, sizes, credit)
         if p is not None:
-            finish.update(link.post(p, t, alpha + beta * sizes[p]))
-            posted.add(p)
+            start = max(t, link_free)
+            link_free = finish[p] = start + alpha + beta * sizes[p]
             continue
-        nxt = link.next_finish()
-        t = min([k for p, k in known.items() if p not in posted and k > t] + ([nxt] if nxt is not None else []))
-        finish.update(link.advance(t))
+        later = [k for p, k in known.items() if p not in finish and k > t] + [f for f in finish.values() if f > t]
+        t = min(later)
     return finish
 
 
@@ -351,14 +347,13 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
                 ready[g] = max(ready.get(g, 0.0), b0 + at)
             ends.append(b0 + rank.backward)
         if scheduled:
-            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free,
-                                   model.channels)
+            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free)
         else:
-            link, posted, done_at = SharedLink(model.channels, link_free), 0.0, {}
+            done_at, posted = {}, 0.0
             for g in range(len(groups)):  # in order: a bucket goes once it and those before are ready
                 posted = max(posted, ready[g])
-                done_at.update(link.post(g, posted + model.decision, model.alpha + model.beta * sizes[g]))
-            done_at.update(link.drain())
+                start = max(posted + model.decision, link_free)
+                link_free = done_at[g] = start + model.alpha + model.beta * sizes[g]
         link_free = max(done_at.values(), default=link_free)
         for r, rank in enumerate(ranks):
             t = ends[r]

@@ -9,9 +9,8 @@ size, the credit, the transfer order (the configured one, or fifo: as gradients 
 ready) and whether the next forward waits per layer (the dependency proxy) or step()
 waits for everything (as plain DDP does at the end of backward). The candidates:
 - the incumbent: the configured point (or the one a previous run or `bsrun tune` left);
-- the fitted point: from the run's own transfers (each one's share of the link while it
-  ran, bsrun/sched/link.py) a per-partition fixed cost `a` and a bandwidth `B` (service
-  time = a + bytes / B); the partition that keeps `a` to a tenth of
+- the fitted point: from the run's own transfers a per-partition fixed cost `a` and a
+  bandwidth `B` (a busy period of the link takes count x a + bytes / B: bsrun/sched/link.py); the partition that keeps `a` to a tenth of
   a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB, and at
   most MAX_PARTITIONS a step), credit 2x;
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
@@ -29,6 +28,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Sequence
+
+from bsrun.sched import link
 
 WINDOW = 4            # optimizer steps per decision; after a switch the first is not timed
 WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-step costs)
@@ -86,22 +87,11 @@ def unscheduled_like() -> Point:
     return Point(DDP_BUCKET_BYTES, UNLIMITED, "fifo", False)
 
 
-def fit_link(transfers: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
-    """(fixed cost s, bandwidth B/s) from (bytes, service seconds) of partitions, or None."""
-    samples = [(b, t) for b, t in transfers if b > 0 and t > 0]
-    if len(samples) < 3:
-        return None
-    sizes = [b for b, _ in samples]
-    mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(t for _, t in samples)
-    var_b = statistics.fmean((b - mean_b) ** 2 for b in sizes)
-    if var_b > (0.3 * mean_b) ** 2:  # sizes differ enough to tell the two apart
-        slope = statistics.fmean((b - mean_b) * (t - mean_t) for b, t in samples) / var_b
-        fixed = mean_t - slope * mean_b
-        if slope > 0 and fixed >= 0:
-            return fixed, 1.0 / slope
-    fixed = min(FALLBACK_FIXED_COST_S, min(t for _, t in samples) / 2)
-    rates = [b / (t - fixed) for b, t in samples if t > fixed]
-    return (fixed, statistics.median(rates)) if rates else None
+def fit_link(transfers: Sequence[tuple[int, float, float]]) -> tuple[float, float] | None:
+    """(fixed cost s, bandwidth B/s) from (bytes, posted s, finished s) of partitions, or None
+    (bsrun/sched/link.py: over the link's busy periods)."""
+    fitted = link.fit(transfers, FALLBACK_FIXED_COST_S)
+    return None if fitted is None else (fitted[0], 1.0 / fitted[1])
 
 
 def fitted_point(link: tuple[float, float] | None, incumbent: Point, model_bytes: int = 0) -> Point | None:
@@ -126,7 +116,8 @@ class Decision:
 
 
 class Explorer:
-    """Rank 0's search. `window_done(step_times, transfers)` at every window's end."""
+    """Rank 0's search. `window_done(step_times, transfers)` at every window's end;
+    transfers: (bytes, posted s, finished s) of the partitions, while a fit wants them."""
 
     def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = (), model_bytes: int = 0):
         """`others`: points tried in every search besides the fitted and unscheduled-like
@@ -147,7 +138,7 @@ class Explorer:
         """Before the first window: time the incumbent and gather its transfers."""
         return Decision(None, "explore: timing the starting point", None, trace=True)
 
-    def window_done(self, step_times: Sequence[float], transfers: Sequence[tuple[int, float]]) -> Decision:
+    def window_done(self, step_times: Sequence[float], transfers: Sequence[tuple[int, float, float]]) -> Decision:
         median = statistics.median(step_times) if step_times else None
         if self.searching:
             return self._search(median, transfers)
@@ -167,10 +158,10 @@ class Explorer:
             self.timed[self.current] = median
         fit = ""
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
-            link = fit_link(transfers)
-            fit = "; the link could not be fitted" if link is None else \
-                f"; link fitted: {link[0] * 1e3:.3g} ms a partition, {link[1] / 1e6:.4g} MB/s"
-            candidates = [fitted_point(link, self.current, self.model_bytes), unscheduled_like(), *self.others]
+            fitted = fit_link(transfers)
+            fit = "; the link could not be fitted" if fitted is None else \
+                f"; link fitted: {fitted[0] * 1e3:.3g} ms a partition, {fitted[1] / 1e6:.4g} MB/s"
+            candidates = [fitted_point(fitted, self.current, self.model_bytes), unscheduled_like(), *self.others]
             for point in candidates:
                 if point is not None:
                     point = self.fixed.apply(point)

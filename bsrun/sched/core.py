@@ -82,8 +82,6 @@ class Transport(Protocol):
     """How one model's ranks talk: torch.distributed groups, parameter servers or Horovod.
     Each backend module holds its transport and its policy (e.g. Horovod's credit)."""
 
-    channels: int  # how many of its collectives run at once on the link (bsrun/sched/link.py)
-
     def agree(self, values: list[int]) -> list[int]:
         """Rank 0's values, on every rank (a collective of the training thread)."""
 

@@ -64,8 +64,6 @@ class HorovodBackend(PartitionBuffers):
 
 
 class HorovodTransport:
-    channels = 1  # Horovod's background thread runs one (fused) collective at a time
-
     def __init__(self, op, gradient_predivide_factor: float):
         self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
         self._layouts = itertools.count()

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from bsrun.sched.buffers import PartitionBuffers
-from bsrun.sched.link import GLOO_WORKERS
 
 
 class TorchDistBackend(PartitionBuffers):
@@ -70,8 +69,6 @@ class TorchDistBackend(PartitionBuffers):
 
 class TorchTransport:
     """A model's ranks over three gloo groups of their own (see the module's docstring)."""
-
-    channels = GLOO_WORKERS  # a gloo group's worker threads each run one of its collectives
 
     def __init__(self, ranks: list[int], timeout: timedelta):
         self.reduce = None  # see the module's docstring; set before the first backward pass
