@@ -10,9 +10,10 @@ ready) and whether the next forward waits per layer (the dependency proxy) or st
 waits for everything (as plain DDP does at the end of backward). The candidates:
 - the incumbent: the configured point (or the one a previous run or `bsrun tune` left);
 - the fitted point: from the run's own transfers a per-partition fixed cost `a` and a
-  bandwidth `B` (a busy period of the link takes count x a + bytes / B: bsrun/sched/link.py); the partition that keeps `a` to a tenth of
-  a partition's transfer (P = 9·a·B, a power of two between 64 KiB and 64 MiB, and at
-  most MAX_PARTITIONS a step), credit 2x;
+  bandwidth `B` (a busy period of the link takes count x a + bytes / B:
+  bsrun/sched/link.py); the partition that keeps `a` to a tenth of a partition's
+  transfer (P = 9·a·B, a power of two between MIN_PARTITION and 64 MiB, and at most
+  MAX_PARTITIONS a step), credit 2x;
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
   per-layer wait, so that bsrun can always fall back to what plain DDP does.
 Each is timed for one window (its first step, which pays the switch, is not timed); the
@@ -42,7 +43,12 @@ DRIFT_WINDOWS = 3     # ... this many times in a row: search again
 SEARCH_STEPS = WARMUP_STEPS + 4 * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
-MIN_PARTITION, MAX_PARTITION = 64 * 2**10, 64 * 2**20
+# Not below 1 MiB: what a partition costs the CPU (hooks, the comm thread's Python, on 2
+# cores) is not in the link's fixed cost, which the busy periods rarely resolve (0.5 ms
+# is then assumed). ResNet-50's run at 0.5 Gbit/s that kept a fitted 128 KiB, after it
+# won its search window, ran 1.203 s a step against 0.910-0.985 s for the two runs that
+# kept 4 MiB (BENCHMARKS.md, fifth pass).
+MIN_PARTITION, MAX_PARTITION = 2**20, 64 * 2**20
 MAX_PARTITIONS = 128  # a fitted point has at most this many partitions a step (a window at it stays cheap)
 FALLBACK_FIXED_COST_S = 5e-4  # when the transfers cannot separate fixed cost from bandwidth
 
