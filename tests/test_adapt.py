@@ -29,13 +29,14 @@ from bsrun.config import UNLIMITED_CREDIT
 from bsrun.sched.adaptive import DRIFT_WINDOWS, WARMUP_STEPS, WINDOW
 
 DDP_LIKE_PARTITION = 25 * 2**20
-# The configured point, the fitted one and the DDP-like one are timed one window each and
-# one is kept at the next boundary: by step WARMUP_STEPS + 3 * WINDOW (14). The run ends
+# The configured point, the fitted one and the DDP-like one are timed one window each, a
+# winner other than the configured point a second window, and one is kept at the next
+# boundary: by step WARMUP_STEPS + 4 * WINDOW (18). The run ends
 # before a drift re-check could start even after the earliest keep (WARMUP_STEPS + 2 *
 # WINDOW, 10; then DRIFT_WINDOWS windows off): a load change on a shared machine, which a
 # re-check rightly answers, cannot leave the run "exploring" at its end.
 STEPS = WARMUP_STEPS + 4 * WINDOW + 2
-assert WARMUP_STEPS + 3 * WINDOW < STEPS < WARMUP_STEPS + (2 + DRIFT_WINDOWS) * WINDOW
+assert WARMUP_STEPS + 4 * WINDOW < STEPS < WARMUP_STEPS + (2 + DRIFT_WINDOWS) * WINDOW
 TIMEOUT = ["--timeout", "60"]  # every other knob bsrun's default: adaptation may vary them all
 
 

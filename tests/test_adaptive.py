@@ -5,7 +5,8 @@ across ranks and exactness through switches are tests/test_adapt.py's."""
 import pytest
 
 from bsrun.sched.adaptive import (DDP_BUCKET_BYTES, DRIFT_WINDOWS, KEEP_MARGIN, MAX_PARTITION, MIN_PARTITION,
-                                  UNLIMITED, Explorer, Fixed, Point, fit_link, fitted_point, unscheduled_like)
+                                  SEARCH_STEPS, UNLIMITED, WARMUP_STEPS, WINDOW, Explorer, Fixed, Point, fit_link,
+                                  fitted_point, unscheduled_like)
 
 START = Point(4 * 2**20, 8 * 2**20, "forward", True)
 
@@ -61,6 +62,33 @@ def test_the_starting_point_is_left_only_for_a_clearly_faster_one():
     decisions = search(explorer, lambda p: 1.0 if p == START else 1.0 - KEEP_MARGIN / 2, [])
     assert explorer.kept == START and decisions[-1].point == START  # switched back to it
     assert decisions[1].why.endswith("the link could not be fitted")  # no transfers
+
+
+def test_a_winner_replaces_the_starting_point_only_if_its_second_window_confirms_it():
+    """One lucky window does not move the run: the winner runs a second window, and only
+    if it beats the starting point's median again is it kept; else the start is."""
+    def lucky_once():
+        seen = []
+
+        def times_of(point):
+            seen.append(point)
+            return 1.0 if point == START or seen.count(point) > 1 else 0.5
+        return times_of
+
+    explorer = Explorer(START, Fixed())
+    decisions = search(explorer, lucky_once(), [])
+    confirming = [d for d in decisions if d.why.startswith("explore: confirming")]
+    assert len(confirming) == 1 and "0.5 s against 1 s" in confirming[0].why
+    assert explorer.kept == START and decisions[-1].point == START and decisions[-1].median_s == 1.0
+    assert decisions[-1].why.startswith("keep: the incumbent;") and "took 1 s on its second window" in decisions[-1].why
+
+    explorer = Explorer(START, Fixed())  # a real winner is kept, its median over both windows
+    transfers = link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20])
+    decisions = search(explorer, lambda p: 1.0 if p == START else 0.5 if p.proxy else 0.8, transfers)
+    assert sum(d.why.startswith("explore: confirming") for d in decisions) == 1
+    assert explorer.kept != START and explorer.kept.proxy and decisions[-1].why.startswith("keep: ")
+    assert "confirmed" in decisions[-1].why and decisions[-1].median_s == 0.5
+    assert len(decisions) - 1 <= (SEARCH_STEPS - WARMUP_STEPS) // WINDOW  # windows within the search's budget
 
 
 def test_knobs_the_user_fixed_stay_fixed_in_every_point():

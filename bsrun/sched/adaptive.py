@@ -18,8 +18,9 @@ waits for everything (as plain DDP does at the end of backward). The candidates:
   per-layer wait, so that bsrun can always fall back to what plain DDP does.
 Each is timed for one window (its first step, which pays the switch, is not timed); the
 decision after the incumbent's window says the fitted link (a, B) in its why; the
-fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster. Then,
-every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
+fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster, twice:
+the winner runs a second window and must beat the incumbent's median again (steps vary by
+10-25% here, and one lucky window once kept a point that then ran 22-32% slower). Then, every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
 row off by more than DRIFT (the network or the load changed) start the search again,
 re-fitted on the windows after the change.
 """
@@ -37,10 +38,10 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-# A first search, to the step that keeps a point: up to four windows (the starting point,
+# A first search, to the step that keeps a point: up to five windows (the starting point,
 # the fitted one, the unscheduled-like one and, when the start is a learned point, the
-# configured one).
-SEARCH_STEPS = WARMUP_STEPS + 4 * WINDOW
+# configured one; then a second window for a winner that would replace the start).
+SEARCH_STEPS = WARMUP_STEPS + 5 * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 # Not below 1 MiB: what a partition costs the CPU (hooks, the comm thread's Python, on 2
@@ -136,6 +137,7 @@ class Explorer:
         self.kept: Point = incumbent
         self.kept_median: float | None = None
         self.queue: list[Point] = []     # points still to try in this search
+        self.confirming: Point | None = None  # the winner, on its second window
         self.timed: dict[Point, float] = {}
         self.searching = True
         self.drifting = 0
@@ -155,11 +157,13 @@ class Explorer:
         if self.drifting < DRIFT_WINDOWS:
             return Decision(None, "steady", median)
         self.drifting = 0
-        self.searching, self.timed, self.queue = True, {}, []
+        self.searching, self.timed, self.queue, self.confirming = True, {}, [], None
         return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
                               f"re-timing it and searching again", median, trace=True)
 
     def _search(self, median: float | None, transfers) -> Decision:
+        if self.confirming is not None:
+            return self._confirm(median)
         if median is not None:
             self.timed[self.current] = median
         fit = ""
@@ -188,14 +192,37 @@ class Explorer:
         return "the point fitted to the measured link"
 
     def _keep(self, median: float | None) -> Decision:
+        """The fastest point; one that would replace the incumbent is first confirmed."""
         incumbent = self.kept
         best = min(self.timed, key=self.timed.get)
         if incumbent in self.timed and self.timed[best] > self.timed[incumbent] * (1 - KEEP_MARGIN):
             best = incumbent
-        self.searching, self.kept, self.kept_median = False, best, self.timed[best]
+        if best != incumbent and incumbent in self.timed:
+            self.confirming = best
+            why = (f"explore: confirming {self._name(best)} ({self.timed[best]:.4g} s against "
+                   f"{self.timed[incumbent]:.4g} s) on a second window")
+            return self._switch(best, why, median)
         times = ", ".join(f"{t:.4g}" for t in self.timed.values())
-        why = f"keep: fastest median step {self.timed[best]:.4g} s of {times}"
-        if best == self.current:
-            return Decision(None, why, self.timed[best])
-        self.current = best
-        return Decision(best, why, self.timed[best])
+        return self._settle(best, f"keep: fastest median step {self.timed[best]:.4g} s of {times}", self.timed[best])
+
+    def _confirm(self, median: float | None) -> Decision:
+        """After the challenger's second window: kept if it beat the incumbent again."""
+        challenger, incumbent, self.confirming = self.confirming, self.kept, None
+        before = self.timed[incumbent]
+        if median is not None and median <= before * (1 - KEEP_MARGIN):
+            return self._settle(challenger, f"keep: {self._name(challenger)}, confirmed: {median:.4g} s "
+                                            f"against {before:.4g} s", (self.timed[challenger] + median) / 2)
+        second = "untimed" if median is None else f"{median:.4g} s"
+        return self._settle(incumbent, f"keep: the incumbent; {self._name(challenger)} took {second} on its "
+                                       f"second window against {before:.4g} s", before)
+
+    def _switch(self, point: Point, why: str, median: float | None) -> Decision:
+        """Run `point` next (no switch when it runs already)."""
+        if point == self.current:
+            return Decision(None, why, median)
+        self.current = point
+        return Decision(point, why, median)
+
+    def _settle(self, point: Point, why: str, median: float) -> Decision:
+        self.searching, self.kept, self.kept_median = False, point, median
+        return self._switch(point, why, median)
