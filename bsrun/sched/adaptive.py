@@ -20,7 +20,8 @@ Each is timed for one window (its first step, which pays the switch, is not time
 decision after the incumbent's window says the fitted link (a, B) in its why; the
 fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster, twice:
 the winner runs a second window and must beat the incumbent's median again (steps vary by
-10-25% here, and one lucky window once kept a point that then ran 22-32% slower). Then, every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
+10-25% here, and one lucky window once kept a point that then ran 22-32% slower). Then,
+every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
 row off by more than DRIFT (the network or the load changed) start the search again,
 re-fitted on the windows after the change.
 """
