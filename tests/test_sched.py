@@ -32,6 +32,21 @@ def test_small_tensors_are_fused_in_priority_order_up_to_the_partition():
     assert [pc.tensor for p in parts for pc in p.pieces][-1] == 0
 
 
+def test_the_most_urgent_partitions_fuse_less_so_the_last_ready_gradients_go_early():
+    """The first partitions hold the first layers, the last the backward pass makes: they
+    fuse up to an eighth, a quarter, a half of the partition size, then the size itself.
+    A tensor above its partition's cap but within the size still goes whole."""
+    kib = 1024 // 4  # elements of 1 KiB
+    parts = plan_partitions([info(64 * kib)] * 200, list(range(200)), partition_bytes=4 << 20)
+    assert [p.nbytes >> 10 for p in parts[:5]] == [512, 1024, 2048, 4096, 4096]
+    assert [pc.tensor for p in parts for pc in p.pieces] == list(range(200)), "priority order kept"
+    whole = plan_partitions([info(1024 * kib), info(64 * kib)], [0, 1], partition_bytes=4 << 20)
+    assert [[(pc.tensor, pc.start, pc.stop) for pc in p.pieces] for p in whole] == \
+        [[(0, 0, 1024 * kib)], [(1, 0, 64 * kib)]]
+    assert len(plan_partitions([info(64 * kib)] * 8, list(range(8)), 256 << 10)) == 2, \
+        "no ramp at or under 256 KiB: it would only add collectives"
+
+
 def test_fusion_never_mixes_dtypes():
     parts = plan_partitions([info(4, "f32"), info(4, "f16"), info(4, "f32")], [0, 1, 2], 1000)
     assert [len(p.pieces) for p in parts] == [1, 1, 1]
