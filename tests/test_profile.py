@@ -164,7 +164,7 @@ def test_the_perfect_schedule_lies_between_the_bound_and_the_profiled_schedule(s
     assert max(compute, link) * 0.999 <= best["step_s"] <= profiled * 1.001, (compute, link, best, profiled)
     assert best["collectives"] >= sum(p["bytes"] for p in model.params) / whatif.PERFECT_PARTITION
     steps = whatif.gap_breakdown(model)  # the costs added back one at a time
-    assert len(steps) == 5 and steps[0][1] == best["step_s"] and steps[-1][1] == pytest.approx(profiled)
+    assert len(steps) == 4 and steps[0][1] == best["step_s"] and steps[-1][1] == pytest.approx(profiled)
 
 
 def test_an_unscheduled_profile_times_ddp_buckets_without_changing_ddp(unscheduled, tmp_path):

@@ -24,8 +24,10 @@ compute and communication, event by event, and returns the steady-state step tim
   gradients became ready, each all-reduced once it and the ones before it are ready on every rank; the
   backward pass ends by waiting for every bucket, then one full optimizer step.
 
-Between modes the compute changes by what scheduling costs the training thread, a
-constant per gradient tensor measured on this machine (SCHEDULING_S_PER_TENSOR); ranks
+Between modes the compute changes by what communication running beside it costs (CPU:
+the network stack, gloo's threads, packing), a constant per gradient tensor measured on
+this machine (OVERLAP_S_PER_TENSOR): DDP sends nearly all of it after the backward pass,
+a schedule during it; ranks
 that broadcast buffers before each forward (DDP's default, with BatchNorm) start each
 forward together.
 
@@ -44,13 +46,15 @@ from bsrun.profile.analysis import RankView, clip, forward_order, iterations, ra
 from bsrun.sched import link, task
 from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 
-# What scheduling costs the training thread per gradient tensor and iteration (grad hooks,
-# readiness bookkeeping, the dependency proxy's checks, the comm threads' Python under the
-# GIL), beyond the updates, which are modelled on their own. Measured on this machine as
-# the compute of a bsrun profile less that of a DDP profile of the same job: ResNet-50
-# (161 tensors) 54 and 36 ms at 1 and 3 Gbit/s (BENCHMARKS.md). One profile cannot tell it
-# apart from the layers' own compute, so it is a constant.
-SCHEDULING_S_PER_TENSOR = 0.28e-3
+# What overlapped communication costs the compute per gradient tensor and iteration.
+# Measured on this machine as the compute of a bsrun profile less that of a DDP profile of
+# the same job: ResNet-50 (161 tensors) 54 and 36 ms at 1 and 3 Gbit/s (BENCHMARKS.md).
+# It is the overlap, not bsrun's Python: with one 64 MB partition sent after the backward
+# pass, as DDP sends, bsrun's compute was DDP's (519 against 522 ms at 1 Gbit/s, sixth pass),
+# and bsrun's hooks take about 10 ms a step (cProfile). Any schedule that overlaps pays it,
+# so the perfect schedule keeps it. One profile cannot tell it apart from the layers' own
+# compute, so it is a constant.
+OVERLAP_S_PER_TENSOR = 0.28e-3
 REPLAY_ITERATIONS = 8
 # best_schedule's partitions: fine enough that priority is as good as preemptive (2 ms at
 # 1 Gbit/s), coarse enough that the replay of a 100 MB model stays under a second.
@@ -83,7 +87,7 @@ class Model:
     update_b: float                  # s per byte updated
     decision: float                  # s from ready everywhere (and credit) to posted
     sync_forward: bool               # DDP's forward broadcasts buffers first: the ranks meet there
-    scheduling_cost: float           # s of training-thread compute per iteration that scheduling costs
+    overlap_cost: float              # s of compute per iteration that overlapped communication costs
     profiled: dict = field(default_factory=dict)  # scheduled, partition, credit, measured step (s)
 
     def as_dict(self) -> dict:
@@ -222,10 +226,10 @@ def fit(trace: dict) -> Model:
     rows = iterations(views)
     steps = [r["step_ms"] / 1e3 for r in rows]
     update_a, update_b = _update_fit(views, meta["params"])
-    scheduling_cost = SCHEDULING_S_PER_TENSOR * len(meta["params"])
+    overlap_cost = OVERLAP_S_PER_TENSOR * len(meta["params"])
     return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
                  ranks, alpha, beta, update_a, update_b, decision,
-                 bool(meta.get("sync_buffers")), scheduling_cost,
+                 bool(meta.get("sync_buffers")), overlap_cost,
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
                   "credit_spec": config.get("credit"), "transfers": len(collectives),
                   "measured_step_s": statistics.median(steps) if steps else None})
@@ -295,8 +299,8 @@ def _scaled(rank: RankCompute, factor: float) -> RankCompute:
 
 def compute_for(model: Model, scheduled: bool) -> list[RankCompute]:
     """Each rank's compute under the mode replayed: as profiled, less or plus the cost of
-    scheduling when the profile and the replay differ in mode (stretched evenly)."""
-    change = model.scheduling_cost * (int(scheduled) - int(bool(model.profiled.get("scheduled"))))
+    overlapped communication when the profile and the replay differ in mode (stretched evenly)."""
+    change = model.overlap_cost * (int(scheduled) - int(bool(model.profiled.get("scheduled"))))
     out = []
     for rank in model.ranks:
         measured = rank.before_forward + rank.forward + rank.before_backward + rank.backward + rank.after_backward
@@ -376,22 +380,17 @@ def predict(model: Model, partition_bytes: int, credit_bytes: int, scheduled: bo
     return predict_detail(model, partition_bytes, credit_bytes, scheduled)["step_s"]
 
 
-def _unburdened(model: Model) -> Model:
-    """The model without the training-thread cost of scheduling (its compute as unscheduled)."""
-    return replace(model, ranks=compute_for(model, scheduled=False), scheduling_cost=0.0)
-
-
 def best_schedule(model: Model) -> dict:
     """The replay under a perfect schedule: no cost per collective, no decision latency,
-    no training-thread cost of scheduling, strict priority by first use
+    strict priority by first use
     (PERFECT_PARTITION partitions, one in flight). What no schedule changes stays as
-    profiled: each rank's compute (with the CPU the profiled communication took from it),
+    profiled: each rank's compute (with the CPU the overlapped communication took from it),
     the link's bandwidth, and the dependencies (a gradient goes once it is ready everywhere
     and is waited for where the next forward first uses it). So it estimates what any
     schedule could reach on this job, where the bench's `bound` (the larger of compute and
     communication, each alone) charges neither the dependencies nor the contention. An
     estimate, not a proof: it carries the replay's own error."""
-    perfect = replace(_unburdened(model), alpha=0.0, decision=0.0)
+    perfect = replace(model, alpha=0.0, decision=0.0)
     return predict_detail(perfect, PERFECT_PARTITION, PERFECT_PARTITION, scheduled=True)
 
 
@@ -403,12 +402,10 @@ def gap_breakdown(model: Model, perfect_s: float | None = None) -> list[tuple[st
     if not model.profiled.get("scheduled"):
         raise ValueError("a breakdown needs a profile of a scheduled run")
     partition, credit = model.profiled["partition"] or 1, model.profiled["credit"] or 1
-    bare = _unburdened(model)
     if perfect_s is None:
         perfect_s = best_schedule(model)["step_s"]
     return [("a perfect schedule", perfect_s),
-            ("+ the profiled partitions and credit", predict(replace(bare, alpha=0.0, decision=0.0),
+            ("+ the profiled partitions and credit", predict(replace(model, alpha=0.0, decision=0.0),
                                                              partition, credit, True)),
-            ("+ the fixed cost per collective", predict(replace(bare, decision=0.0), partition, credit, True)),
-            ("+ the decision latency", predict(bare, partition, credit, True)),
-            ("+ scheduling's training-thread cost (the profiled point)", predict(model, partition, credit, True))]
+            ("+ the fixed cost per collective", predict(replace(model, decision=0.0), partition, credit, True)),
+            ("+ the decision latency (the profiled point)", predict(model, partition, credit, True))]
