@@ -215,10 +215,17 @@ def bench_command(models, nproc, bandwidths, modes, steps, warmup, repeat, batch
     """Side-by-side step times of DDP, Horovod, bsrun and the bounds, on an emulated network."""
     from bsrun.bench.runner import run_bench
     from bsrun.console import new_console
+    from bsrun.signals import Stopped, StopSignals
 
     rates = [None if b.lower() == "none" else b for b in _csv(bandwidths)]
-    results = run_bench(_csv(models), nproc, rates, _csv(modes), steps, warmup, repeat, batch,
-                        json_path, new_console(), arch, servers)
+    try:
+        with StopSignals():  # SIGTERM too unwinds: the running launch stopped, the scratch folder removed
+            results = run_bench(_csv(models), nproc, rates, _csv(modes), steps, warmup, repeat, batch,
+                                json_path, new_console(), arch, servers)
+    except Stopped as e:
+        kept = f"; {json_path} keeps the rows finished before it" if json_path else ""
+        click.echo(f"bsrun: bench stopped by {signal.Signals(e.signum).name}{kept}", err=True)
+        return 128 + e.signum
     return 1 if any(r["failed_repeats"] for r in results) else 0
 
 

@@ -38,9 +38,9 @@ def run_bsrun(args, cwd, timeout=120, env=None, check=False):
     return proc
 
 
-def start_bsrun(args, cwd):
-    """bsrun in the background, for tests that signal it."""
-    return subprocess.Popen([sys.executable, "-m", "bsrun", *map(str, args)], cwd=cwd, env=bsrun_env(),
+def start_bsrun(args, cwd, env=None):
+    """bsrun in the background, for tests that signal it (`env`: variables added)."""
+    return subprocess.Popen([sys.executable, "-m", "bsrun", *map(str, args)], cwd=cwd, env={**bsrun_env(), **(env or {})},
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

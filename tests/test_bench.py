@@ -8,8 +8,10 @@ as a race between two runs.
 import io
 import json
 import os
+import signal
 import sys
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -18,6 +20,7 @@ from bsrun.bench.runner import bench_table, run_bench, summarise
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
 from bsrun.sched.adaptive import SEARCH_STEPS
+from conftest import signal_when, start_bsrun
 
 REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "spread", "speedup_vs_ddp",
             "efficiency", "attainable_gain", "captured", "compute_part_s", "comm_part_s", "repeats", "steps"}
@@ -113,6 +116,28 @@ def test_bad_arguments_fail_before_launching(tmp_path):
         run_bench(["tiny"], 2, [None], ["fast"], 3, 1, 1, None, None, Console(file=io.StringIO()))
     with pytest.raises(BsrunError, match="rate such as"):
         run_bench(["tiny"], 2, ["fast"], ["ddp"], 3, 1, 1, None, None, Console(file=io.StringIO()))
+
+
+def test_sigterm_stops_the_running_launch_and_removes_the_scratch_folder(tmp_path):
+    """A bench ended by SIGTERM (a batch system's kill, a CI timeout) stops the launch it is
+    running and removes its scratch folder, which holds every run's files and profiles."""
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    proc = start_bsrun(["bench", "--model", "tiny", "--modes", "ddp", "--steps", 100000, "--warmup", 1,
+                        "--repeat", 1, "--json", tmp_path / "bench.json"], tmp_path, env={"TMPDIR": str(scratch_root)})
+    workers: list[psutil.Process] = []
+
+    def training():
+        workers[:] = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if p.cmdline()[1:3] == ["-m", "bsrun.bench.worker"]]
+        return len(workers) == 2 and list(scratch_root.glob("bsrun-bench-*"))
+
+    code, err = signal_when(proc, training, signal.SIGTERM, "the bench's workers training", settle=1.0, timeout=60)
+    assert code == 128 + signal.SIGTERM, err
+    assert "bench stopped by SIGTERM" in err, err
+    assert not list(scratch_root.glob("bsrun-bench-*")), "the scratch folder is removed"
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers left running: {alive}"
 
 
 def test_a_failed_run_is_reported_and_the_others_are_kept(tmp_path):
