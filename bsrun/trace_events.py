@@ -63,9 +63,9 @@ Update = _kind("U", "Update", "start_ns end_ns params",
                "an optimizer update of these parameters (params None: a whole optimizer.step() of an "
                "unscheduled run)")
 Step = _kind("S", "Step", "number at_ns", "optimizer step `number` returned (warm-up 0: the recording's start)")
-Partition = _kind("C", "Partition", "scheduler partition round ready_ns post_ns finish_ns",
+Partition = _kind("C", "Partition", "scheduler partition round ready_ns post_ns finish_ns nbytes",
                   "one partition of bsrun's scheduler in one round: ready here, handed to the backend, "
-                  "finished")
+                  "finished, and the bytes its collective reduced")
 Bucket = _kind("D", "Bucket", "model bucket step nbytes post_ns finish_ns",
                "one DDP bucket of an unscheduled run, timed by a comm hook that wraps DDP's own "
                "all-reduce (or the script's hook)")

@@ -85,8 +85,8 @@ def test_what_the_recorder_writes_the_trace_reads(tmp_path):
     for step in (1, 2, 3):
         model(torch.randn(3, 4)).sum().backward()
         began = te.now()
-        for event in ("ready", "post", "finish"):
-            observe(event, 0, te.now())
+        for event, nbytes in (("ready", 232), ("post", 232), ("finish", 100)):  # sent: fewer (row-sparse)
+            observe(event, 0, te.now(), nbytes)
         rec.waited(rt, [0, 1], began - 10 ** 6)
         rec.updated(params, te.now())
         rec.on_step(step)
@@ -105,3 +105,4 @@ def test_what_the_recorder_writes_the_trace_reads(tmp_path):
     assert cats.count("update") == 2 and cats.count("transfer") == 2
     transfer = next(e for e in built["traceEvents"] if e.get("cat") == "transfer")
     assert transfer["args"]["round"] == 2 and transfer["args"]["pieces"][0] == ["0.weight", 128]
+    assert transfer["args"]["bytes"] == 100, "a transfer's bytes are those its collective sent"

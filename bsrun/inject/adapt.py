@@ -110,17 +110,16 @@ class Adapter:
     def observer(self, recorder_trace):
         """The scheduler's observer: rank 0 notes (bytes, post, finish) while a fit wants them."""
         posts = self._posts
-        partitions = self.runtime.partitions
 
-        def observe(event: str, pid: int, t_ns: int) -> None:  # the scheduler's threads
+        def observe(event: str, pid: int, t_ns: int, nbytes: int) -> None:  # the scheduler's threads
             if recorder_trace is not None:
-                recorder_trace(event, pid, t_ns)
+                recorder_trace(event, pid, t_ns, nbytes)
             if self.transfers is None:
                 return
             if event == "post":
                 posts[pid] = t_ns / 1e9
             elif event == "finish" and pid in posts:
-                self.transfers.append((partitions[pid].nbytes, posts.pop(pid), t_ns / 1e9))
+                self.transfers.append((nbytes, posts.pop(pid), t_ns / 1e9))
         return observe
 
     def on_step(self, number: int) -> None:

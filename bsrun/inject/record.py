@@ -129,7 +129,7 @@ class Recorder:
         posts = [[] for _ in range(count)]
         events = self.events
 
-        def trace(event: str, pid: int, t: int) -> None:
+        def trace(event: str, pid: int, t: int, nbytes: int) -> None:
             if event == "ready":
                 rounds[pid] += 1
                 readies[pid].append((rounds[pid], t))
@@ -139,7 +139,7 @@ class Recorder:
                 round_, ready = readies[pid].pop(0)
                 posted = posts[pid].pop(0)
                 if self.on:
-                    events.append(Partition(sched, pid, round_, ready, posted, t))
+                    events.append(Partition(sched, pid, round_, ready, posted, t, nbytes))
 
         return trace
 

@@ -32,6 +32,7 @@ from bsrun.inject.unused import UnusedParameters
 from bsrun.inject.updates import Updates
 from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
+from bsrun.sched.row_sparse import embedding_tables
 from bsrun.sched.task import Layout, forward_order
 
 
@@ -64,6 +65,8 @@ class ModelRuntime(Updates):
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        modules = list(modules)
+        self.table_rows = embedding_tables(self.params, modules)  # > 0: may go by nonzero rows
         unguarded = sorted({type(p).__name__ for p in self.params if not trap.trappable(p)})
         if unguarded:
             state.say_once(f"parameters of class {', '.join(unguarded)} cannot be guarded against early reads: "
@@ -240,7 +243,9 @@ class ModelRuntime(Updates):
 
     def _lay_out(self, order: list[int]) -> None:
         """Partitions of `partition_bytes` in `order`, and a scheduler for them."""
-        infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype)) for p in self.params]
+        sparse = self.transport.row_sparse
+        infos = [TensorInfo(p.numel(), p.element_size(), str(p.dtype), rows if sparse else 0)
+                 for p, rows in zip(self.params, self.table_rows)]
         self.layout = Layout(plan_partitions(infos, order, self.partition_bytes), len(self.params))
         backend = self.transport.backend(self.partitions, lambda i: self.grads[i],
                                          {str(p.dtype): p.dtype for p in self.params})

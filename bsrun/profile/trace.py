@@ -167,10 +167,10 @@ def _rank_events(rec: RankRecording, base_ns: int) -> list[dict]:
                                 args={"step": e.number}))
         elif isinstance(e, ev.Partition):
             part = rec.partitions.get(e.scheduler, {}).get("partitions", [])
-            nbytes, pieces = (part[e.partition][1], part[e.partition][2]) if e.partition < len(part) else (0, [])
+            pieces = part[e.partition][2] if e.partition < len(part) else []
             name = f"p{e.partition}" if len(rec.partitions) < 2 else f"s{e.scheduler}p{e.partition}"
             transfers.append((e.post_ns, e.finish_ns, e.ready_ns, name,
-                              {"partition": e.partition, "scheduler": e.scheduler, "round": e.round, "bytes": nbytes,
+                              {"partition": e.partition, "scheduler": e.scheduler, "round": e.round, "bytes": e.nbytes,
                                "pieces": [[names.param(p), b] for p, b in pieces]}))
         elif isinstance(e, ev.BucketParams):
             layout[(e.model, e.bucket)] = e.params

@@ -40,6 +40,10 @@ class PartitionBuffers:
             staged.copy_(grad)
         return self.staging[pid]
 
+    def sent_bytes(self, pid: int, handle) -> int:
+        """The bytes this rank reduced for the partition (the run summary's `bytes`)."""
+        return self.partitions[pid].nbytes
+
     def unpack(self, pid: int) -> None:
         part = self.partitions[pid]
         if part.fused:

@@ -44,9 +44,11 @@ Rounds: one round is one synchronising backward pass; every partition is sent on
 round. Readiness is counted, not flagged, so a hook of the next round can arrive before
 the current round is closed here.
 
-An optional observer, `trace(event, pid, time_ns)`, is told when a partition becomes ready
-on this rank ("ready"), is handed to the backend ("post") and has finished ("finish"),
-with time.perf_counter_ns(); `bsrun profile` records those. Off (None), it costs a test.
+An optional observer, `trace(event, pid, time_ns, nbytes)`, is told when a partition becomes
+ready on this rank ("ready"), is handed to the backend ("post") and has finished ("finish"),
+with time.perf_counter_ns() and the partition's bytes (at "finish", the bytes its collective
+reduced: fewer for an embedding table sent by its rows); `bsrun profile` records those.
+Off (None), it costs a test.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class CommBackend(Protocol):
     def wait(self, handle) -> None:
         """Block until that collective is done and finish the partition (average it)."""
 
+    def sent_bytes(self, pid: int, handle) -> int:
+        """After wait(): the bytes that collective reduced on this rank."""
+
     def negotiate(self, values: Sequence[int]) -> list[int]:
         """Blocking: the elementwise minimum of `values` over all ranks."""
 
@@ -90,6 +95,8 @@ class Transport(Protocol):
 
     def credit(self, credit_bytes: int) -> int:
         """The credit this rank's scheduler keeps to."""
+
+    row_sparse: bool  # embedding tables may go by their nonzero rows (bsrun/sched/row_sparse.py)
 
 
 class SchedulerClosed(RuntimeError):
@@ -134,7 +141,7 @@ class Scheduler:
 
     def mark_ready(self, pid: int) -> None:
         if self.trace is not None:
-            self.trace("ready", pid, time.perf_counter_ns())
+            self.trace("ready", pid, time.perf_counter_ns(), self.sizes[pid])
         with self._cv:
             self._ready[pid] += 1
             self._cv.notify_all()
@@ -176,10 +183,11 @@ class Scheduler:
         while True:
             entry = self._next_finished()
             self.backend.wait(entry.handle)
+            sent = self.backend.sent_bytes(entry.pid, entry.handle)
             if self.trace is not None:
-                self.trace("finish", entry.pid, time.perf_counter_ns())
+                self.trace("finish", entry.pid, time.perf_counter_ns(), sent)
             self.stats["partitions"] += 1
-            self.stats["bytes"] += self.sizes[entry.pid]
+            self.stats["bytes"] += sent
             self.on_complete(entry.pid)
             with self._cv:
                 entry.finished = True
@@ -286,7 +294,7 @@ class Scheduler:
 
     def _post(self, round_: int, pid: int) -> None:
         if self.trace is not None:
-            self.trace("post", pid, time.perf_counter_ns())
+            self.trace("post", pid, time.perf_counter_ns(), self.sizes[pid])
         handle = self.backend.post(pid)
         with self._cv:
             self._issued.append(_InFlight(round_, pid, handle))

@@ -64,6 +64,7 @@ class HorovodBackend(PartitionBuffers):
 
 
 class HorovodTransport:
+    row_sparse = False  # every partition one named dense all-reduce
     def __init__(self, op, gradient_predivide_factor: float):
         self.name = f"bsrun.{next(_MODEL_NUMBERS)}"
         self._layouts = itertools.count()

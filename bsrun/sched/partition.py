@@ -5,7 +5,8 @@ than the partition size is cut into near-equal pieces no larger than it (zero-co
 of the flattened gradient); consecutive small tensors of one dtype are fused into one
 partition up to the partition size, so a model of many small tensors does not pay one
 collective's latency for each. A partition size of 0 keeps every tensor whole and
-alone (the unscheduled baselines' granularity).
+alone (the unscheduled baselines' granularity), and so does an embedding table that is
+sent by its nonzero rows (`TensorInfo.rows`, bsrun/sched/row_sparse.py).
 
 The most urgent fused partitions are smaller (`ramp_caps`: an eighth of the partition
 size, doubling up to it). They hold the first layers of the forward pass, whose gradients
@@ -37,6 +38,7 @@ class Partition:
     pieces: tuple[Piece, ...]
     nbytes: int
     dtype: str
+    rows: int = 0  # > 0: an embedding table's gradient, whole, sent by its nonzero rows
 
     @property
     def fused(self) -> bool:
@@ -48,6 +50,7 @@ class TensorInfo:
     numel: int
     element_size: int
     dtype: str
+    rows: int = 0  # > 0: may go row-sparse (bsrun/sched/row_sparse.py): kept whole and alone
 
 
 RAMP_STEPS = 3               # partition 0 fuses up to partition_bytes / 2**3, then doubling
@@ -86,8 +89,10 @@ def plan_partitions(tensors: list[TensorInfo], order: list[int], partition_bytes
         nbytes = info.numel * info.element_size
         if nbytes == 0:
             continue
-        if partition_bytes == 0:
-            partitions.append(Partition(len(partitions), (Piece(index, 0, info.numel),), nbytes, info.dtype))
+        if partition_bytes == 0 or info.rows:
+            close_group()
+            partitions.append(Partition(len(partitions), (Piece(index, 0, info.numel),), nbytes, info.dtype,
+                                        info.rows))
             continue
         if nbytes > partition_bytes:
             close_group()

@@ -71,6 +71,7 @@ _MODEL_NUMBERS = itertools.count()  # the same sequence on every worker
 
 
 class PSTransport(TorchTransport):
+    row_sparse = False  # the servers sum whole partitions
     def __init__(self, ranks: list[int], timeout: timedelta):
         super().__init__(ranks, timeout)
         if not _GROUP:

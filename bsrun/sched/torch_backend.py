@@ -1,5 +1,8 @@
 """The torch.distributed transport: one all-reduce per partition, negotiations apart.
 
+An embedding table's partition (`Partition.rows`) is two: its nonzero rows are agreed,
+then only those are all-reduced (bsrun/sched/row_sparse.py).
+
 A model's ranks talk over three gloo groups of bsrun's own (`TorchTransport`): gradient
 bytes (the backend's collectives), negotiations (the scheduler's control thread) and
 the training thread's collectives (agreeing on the order, broadcasting buffers). So a
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bsrun.sched.buffers import PartitionBuffers
+from bsrun.sched.row_sparse import RowSparseAllReduce
 
 
 class TorchDistBackend(PartitionBuffers):
@@ -39,6 +43,10 @@ class TorchDistBackend(PartitionBuffers):
         self._posted = 0  # partitions posted so far (each round posts every partition once)
 
     def post(self, pid: int):
+        part = self.partitions[pid]
+        if part.rows:  # laid out so only while `reduce` is None (TorchTransport.row_sparse)
+            grad = self.grad_of(part.pieces[0].tensor)
+            return pid, None, RowSparseAllReduce(grad.view(part.rows, -1), self.data_group, self.world_size)
         data = self.pack(pid)
         if self.reduce is None:
             return pid, data, dist.all_reduce(data, group=self.data_group, async_op=True)
@@ -52,7 +60,9 @@ class TorchDistBackend(PartitionBuffers):
 
     def wait(self, handle) -> None:
         pid, data, work = handle
-        if self.reduce is None:
+        if isinstance(work, RowSparseAllReduce):
+            work.finish()
+        elif self.reduce is None:
             work.wait()
             data.div_(self.world_size)
         else:
@@ -60,6 +70,10 @@ class TorchDistBackend(PartitionBuffers):
             if result is not data:
                 data.copy_(result.view(-1))
         self.unpack(pid)
+
+    def sent_bytes(self, pid: int, handle) -> int:
+        work = handle[2]
+        return work.sent_bytes if isinstance(work, RowSparseAllReduce) else super().sent_bytes(pid, handle)
 
     def negotiate(self, values: Sequence[int]) -> list[int]:
         negated = -torch.tensor(values, dtype=torch.int64)  # min = -max(-x); gloo has MAX
@@ -75,6 +89,12 @@ class TorchTransport:
         self.data_group, self.negotiation_group, self.control_group = (
             dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
             for _ in range(3))
+
+    @property
+    def row_sparse(self) -> bool:
+        """Embedding tables go by their nonzero rows (bsrun/sched/row_sparse.py); a comm hook
+        gets every partition dense, as DDP's buckets."""
+        return self.reduce is None
 
     def agree(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64)
