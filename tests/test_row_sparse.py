@@ -3,13 +3,17 @@
 Exact: the same script run under bsrun and under `bsrun --no-schedule` ends with the same
 parameters (2 real gloo ranks, each with its own tokens), and the run summary's bytes
 say whether the table really went by its rows (sparse), whole (its rows too many this
-round) or was never a table (tied to an output layer).
+round) or was never a table (tied to an output layer). A profile records the bytes sent,
+and the what-if replays the table as sent.
 """
+
+import json
 
 import pytest
 import torch
 import torch.nn as nn
 
+from bsrun.profile import whatif
 from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.row_sparse import MIN_TABLE_BYTES, embedding_tables, nonzero_rows
 from conftest import WORKERS, assert_same_state, last_run, run_bsrun
@@ -76,3 +80,19 @@ def test_scheduled_with_an_embedding_equals_plain_ddp(workdir, case):
     assert low <= share <= high, f"the table sent {share:.4f} of its dense bytes a round, expected {low}-{high}"
     assert_same_state(sched["model"], plain["model"])
     assert_same_state(sched["optimizer"], plain["optimizer"])
+
+
+@pytest.mark.slow
+def test_a_profile_records_the_rows_sent_and_the_whatif_replays_them(workdir):
+    folder = workdir / "prof"
+    run_bsrun(["profile", "-o", folder, "--warmup", 1, "--steps", 3, "--no-adapt", "--partition", "256KiB",
+               "-np", 2, "python", SCRIPT, "--steps", 8, "--out", workdir / "x.pt"], cwd=workdir, check=True, timeout=300)
+    model = whatif.fit(json.loads((folder / "trace.json").read_text()))
+    [table] = [p for p in model.params if "sent_bytes" in p]
+    assert table["name"].endswith("embed.weight") and 0 < table["sent_bytes"] < 0.06 * table["bytes"], table
+    groups, sizes = whatif.layout(model, 256 * 1024, True)
+    k = model.params.index(table)
+    [g] = [g for g, members in enumerate(groups) if k in members]
+    assert groups[g] == [k] and sizes[g] == table["sent_bytes"], "the table replays whole, as sent"
+    dense_groups, dense_sizes = whatif.layout(model, 256 * 1024, False)
+    assert sum(dense_sizes) == sum(p["bytes"] for p in model.params), "DDP's buckets stay dense"

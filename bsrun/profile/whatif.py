@@ -7,19 +7,20 @@ between and after the passes, with waits and updates taken out); an update cost
 (a + b * bytes per optimizer call, least squares over the recorded updates); and an
 alpha-beta model of the link, t = alpha + beta * bytes per collective, least squares
 over the link's busy periods (bsrun/sched/link.py: runs of overlapping transfers, which
-gloo's connection serves as one FIFO stream). For scheduled runs also the decision latency: how
-long after a partition was ready on every rank, and the credit allowed it, it was posted.
+gloo's connection serves as one FIFO stream). For scheduled runs also the decision
+latency: how long after a partition was ready on every rank (and the credit allowed) it
+was posted.
 
 `predict(model, partition_bytes, credit_bytes, scheduled)` replays a few iterations of
 compute and communication, event by event, and returns the steady-state step time (s):
 
 - scheduled (bsrun): partitions from bsrun.sched.partition.plan_partitions in the
-  forward pass's first-use order; a partition is issued when it is ready on every rank
-  (plus the decision latency) by the scheduler's own rule (bsrun.sched.task.next_to_issue:
-  most urgent first, while the bytes in flight stay within the credit); transfers share
-  one link, in issue order;
-  each layer's next forward waits for its own partitions and applies the updates that
-  are ready (the dependency proxy); step() updates what has arrived.
+  forward pass's first-use order (an embedding table that a scheduled profile saw sent by
+  its rows: whole, of the bytes it sent); a partition is issued when it is ready on every
+  rank (plus the decision latency) by the scheduler's own rule (task.next_to_issue: most
+  urgent first, while the bytes in flight stay within the credit); transfers share one
+  link, in issue order; each layer's next forward waits for its own partitions and
+  applies the updates that are ready (the dependency proxy); step() updates what arrived.
 - unscheduled (DDP): DDP's buckets (bsrun.sched.partition.ddp_buckets) in the order
   gradients became ready, each all-reduced once it and the ones before it are ready on every rank; the
   backward pass ends by waiting for every bucket, then one full optimizer step.
@@ -27,14 +28,13 @@ compute and communication, event by event, and returns the steady-state step tim
 Between modes the compute changes by what communication running beside it costs (CPU:
 the network stack, gloo's threads, packing), a constant per gradient tensor measured on
 this machine (OVERLAP_S_PER_TENSOR): DDP sends nearly all of it after the backward pass,
-a schedule during it; ranks
-that broadcast buffers before each forward (DDP's default, with BatchNorm) start each
-forward together.
+a schedule during it. Ranks that broadcast buffers before each forward (DDP's default,
+with BatchNorm) start each forward together.
 
-A pure function of the Model: the tuner can call it for any number of candidates.
-What it does not model: how the CPU that communication takes from computation changes
-with the partition size or bandwidth (compute times are those measured under the
-profiled config), and rank skew beyond what the per-rank compute times carry.
+A pure function of the Model: the tuner can call it for any number of candidates. Not
+modelled: how the CPU that communication takes from computation changes with the
+partition size or bandwidth (compute is as profiled), rank skew beyond the per-rank
+compute times, and a table's rows in a replay of an unscheduled profile (sent dense).
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 # the same job: ResNet-50 (161 tensors) 54 and 36 ms at 1 and 3 Gbit/s (BENCHMARKS.md).
 # It is the overlap, not bsrun's Python: with one 64 MB partition sent after the backward
 # pass, as DDP sends, bsrun's compute was DDP's (519 against 522 ms at 1 Gbit/s, sixth pass),
-# and bsrun's hooks take about 10 ms a step (cProfile). Any schedule that overlaps pays it,
-# so the perfect schedule keeps it. One profile cannot tell it apart from the layers' own
-# compute, so it is a constant.
+# and bsrun's hooks take about 10 ms a step (cProfile). Any schedule that overlaps pays it, so
+# the perfect schedule keeps it. A constant: one profile cannot tell it from the layers' own.
 OVERLAP_S_PER_TENSOR = 0.28e-3
 REPLAY_ITERATIONS = 8
 # best_schedule's partitions: fine enough that priority is as good as preemptive (2 ms at
@@ -77,7 +76,7 @@ class RankCompute:
 @dataclass
 class Model:
     world_size: int
-    params: list[dict]               # name, numel, element_size, dtype; registration order
+    params: list[dict]               # name, numel, element_size, dtype (sent_bytes: a table's); registration order
     layer_params: dict[str, list[str]]
     forward_layers: list[str]        # first-use order
     ranks: list[RankCompute]
@@ -99,19 +98,14 @@ class Model:
 
 def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """y = a + b x, with a >= 0 and b >= 0 (through the origin when a would be negative)."""
-    if not xs:
-        return 0.0, 0.0
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx > 0:
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-        a = my - b * mx
+    if len(set(xs)) > 1:
+        b, a = statistics.linear_regression(xs, ys)
         if a >= 0 and b >= 0:
             return a, b
-    sxx0 = sum(x * x for x in xs)
-    if sxx0 > 0 and sum(x * y for x, y in zip(xs, ys)) > 0:
-        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sxx0
-    return max(0.0, my), 0.0
+    sxy, sxx = sum(x * y for x, y in zip(xs, ys)), sum(x * x for x in xs)
+    if sxx > 0 and sxy > 0:
+        return 0.0, sxy / sxx
+    return (max(0.0, statistics.fmean(ys)), 0.0) if xs else (0.0, 0.0)
 
 
 def _collectives(views: list[RankView]) -> list[dict]:
@@ -208,6 +202,18 @@ def _update_fit(views: list[RankView], params: list[dict]) -> tuple[float, float
     return least_squares(xs, ys)
 
 
+def _table_bytes(view: RankView, params: list[dict]) -> dict[str, float]:
+    """Embedding tables sent by their rows (bsrun/sched/row_sparse.py) -> median bytes a round:
+    a transfer of one whole tensor that sent fewer bytes than the tensor holds."""
+    whole = {p["name"]: p["bytes"] for p in params}
+    sent: dict[str, list[int]] = {}
+    for t in view.transfers:
+        pieces, nbytes = t.args.get("pieces") or [], t.args.get("bytes", 0)
+        if len(pieces) == 1 and pieces[0][1] == whole.get(pieces[0][0]) and nbytes < pieces[0][1]:
+            sent.setdefault(pieces[0][0], []).append(nbytes)
+    return {name: statistics.median(b) for name, b in sent.items()}
+
+
 def fit(trace: dict) -> Model:
     """The what-if model of a profile (see the module's docstring)."""
     views = rank_views(trace)
@@ -227,7 +233,9 @@ def fit(trace: dict) -> Model:
     steps = [r["step_ms"] / 1e3 for r in rows]
     update_a, update_b = _update_fit(views, meta["params"])
     overlap_cost = OVERLAP_S_PER_TENSOR * len(meta["params"])
-    return Model(len(views), meta["params"], {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
+    tables = _table_bytes(views[0], meta["params"])
+    params = [{**p, "sent_bytes": tables[p["name"]]} if p["name"] in tables else p for p in meta["params"]]
+    return Model(len(views), params, {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
                  ranks, alpha, beta, update_a, update_b, decision,
                  bool(meta.get("sync_buffers")), overlap_cost,
                  {"scheduled": scheduled, "partition": config.get("partition"), "credit": credit,
@@ -285,9 +293,10 @@ def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[li
     index = {p["name"]: i for i, p in enumerate(params)}
     first_use = [index[n] for layer in model.forward_layers for n in model.layer_params.get(layer, []) if n in index]
     order = task.forward_order(first_use, [p["name"] for p in params])
-    infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"]) for p in params]
+    infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"], int("sent_bytes" in p)) for p in params]
     parts = plan_partitions(infos, order, partition_bytes)
-    return [sorted({pc.tensor for pc in part.pieces}) for part in parts], [part.nbytes for part in parts]
+    return ([sorted({pc.tensor for pc in part.pieces}) for part in parts],
+            [params[part.pieces[0].tensor]["sent_bytes"] if part.rows else part.nbytes for part in parts])
 
 
 def _scaled(rank: RankCompute, factor: float) -> RankCompute:
