@@ -21,14 +21,16 @@ from conftest import WORKERS, assert_same_state, last_run, run_bsrun
 SCRIPT = WORKERS / "row_sparse_train.py"
 
 
-def test_a_row_is_nonzero_by_its_bits():
+@pytest.mark.parametrize("columns", [3, 4], ids=["read-by-element", "read-by-8-bytes"])
+def test_a_row_is_nonzero_by_its_bits(columns):
     """-0.0 and NaN rows are sent: only rows of +0.0 everywhere may be left out."""
-    table = torch.zeros(5, 3)
+    table = torch.zeros(5, columns)
     table[1, 2] = -0.0
     table[2, 0] = float("nan")
     table[3, 1] = 1e-30
     assert nonzero_rows(table).tolist() == [0, 1, 1, 1, 0]
     assert nonzero_rows(table.to(torch.bfloat16)).tolist() == [0, 1, 1, 1, 0]
+    assert nonzero_rows(table.double()).tolist() == [0, 1, 1, 1, 0]
 
 
 def test_only_an_embeddings_own_table_of_a_megabyte_or_more_qualifies():
@@ -96,3 +98,9 @@ def test_a_profile_records_the_rows_sent_and_the_whatif_replays_them(workdir):
     assert groups[g] == [k] and sizes[g] == table["sent_bytes"], "the table replays whole, as sent"
     dense_groups, dense_sizes = whatif.layout(model, 256 * 1024, False)
     assert sum(dense_sizes) == sum(p["bytes"] for p in model.params), "DDP's buckets stay dense"
+
+
+def test_the_bench_bound_sends_a_table_by_its_rows_as_bsrun_does(workdir):
+    """The bound must stay a bound for bsrun's work: its comm sends what bsrun sends."""
+    proc = run_bsrun(["--no-schedule", "-np", 2, "python", WORKERS / "bound_tables.py"], cwd=workdir, check=True)
+    assert proc.stderr.count("ok ") == 2, proc.stderr
