@@ -55,8 +55,8 @@ def nonzero_rows(table: torch.Tensor) -> torch.Tensor:
 
 
 class RowSparseAllReduce:
-    """One table's exchange: `post` agrees on the rows and starts the transfer, `finish`
-    averages it into the gradient."""
+    """One table's exchange: made when the partition is posted, it agrees on the rows and
+    starts their transfer; `finish` averages them into the gradient."""
 
     def __init__(self, table: torch.Tensor, group, world_size: int):
         """`table`: the gradient viewed as (rows, columns), reduced in place."""
