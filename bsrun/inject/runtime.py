@@ -253,7 +253,10 @@ class ModelRuntime(Updates):
         trace = recorder.scheduler_trace(self) if recorder is not None else None
         if self.adapter.explorer is not None:
             trace = self.adapter.observer(trace)
-        self.scheduler = Scheduler(backend, [p.nbytes for p in self.partitions],
+        # a table sent by its rows (sched/row_sparse.py) holds the credit as one partition, not
+        # as its dense bytes: charged 16 MB, it waited for all in flight and went last
+        sizes = [min(p.nbytes, self.partition_bytes) if p.rows else p.nbytes for p in self.partitions]
+        self.scheduler = Scheduler(backend, sizes,
                                    self.transport.credit(self.credit_bytes),
                                    self._on_partition_done, self._on_error, trace=trace)
 
