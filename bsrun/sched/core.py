@@ -46,9 +46,9 @@ the current round is closed here.
 
 An optional observer, `trace(event, pid, time_ns, nbytes)`, is told when a partition becomes
 ready on this rank ("ready"), is handed to the backend ("post") and has finished ("finish"),
-with time.perf_counter_ns() and the partition's bytes (at "finish", the bytes its collective
-reduced: fewer for an embedding table sent by its rows); `bsrun profile` records those.
-Off (None), it costs a test.
+with time.perf_counter_ns() and bytes: at "finish" those its collective reduced (fewer than
+the partition holds for an embedding table sent by its rows), otherwise its size in the
+credit. `bsrun profile` records those. Off (None), it costs a test.
 """
 
 from __future__ import annotations
