@@ -138,7 +138,7 @@ def test_whatif_predicts_other_configs_from_the_profile(scheduled):
                      cwd=folder.parent, check=True)
     result = json.loads(proc.stdout)
     assert result["config"] == {"scheduled": True, "partition": 10 ** 6, "credit": 4 * 10 ** 6}
-    _, sizes = whatif.layout(model, 10 ** 6, True)  # 556 KB: the ramp's 256 KiB caps, then the rest
+    _, sizes, _ = whatif.layout(model, 10 ** 6, True)  # 556 KB: the ramp's 256 KiB caps, then the rest
     assert result["replay"]["collectives"] == len(sizes) < small["collectives"]
     assert result["predicted_step_s"] == pytest.approx(whatif.predict(model, 10 ** 6, 4 * 10 ** 6, True))
     unscheduled = run_bsrun(["profile", "whatif", folder, "--no-schedule"], cwd=folder.parent, check=True)
@@ -247,9 +247,16 @@ def test_replay_rules():
         torchs, _ = dist._compute_bucket_assignment_by_size(ready_order, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES])
         ours = ddp_buckets([p.numel() * p.element_size() for p in ready_order])
         assert sorted(map(sorted, ours)) == sorted(map(sorted, torchs)), name
-    finish = whatif._issue_round({0: 1.0, 1: 1.0, 2: 0.0}, [100, 100, 100], credit=100, alpha=0.5, beta=0.01,
-                                 decision=0.0, link_free=0.0)
+    finish = whatif._issue_round({0: 1.0, 1: 1.0, 2: 0.0}, [100, 100, 100], [100, 100, 100], credit=100, alpha=0.5,
+                                 beta=0.01, decision=0.0, link_free=0.0)
     assert finish == {2: pytest.approx(1.5), 0: pytest.approx(3.0), 1: pytest.approx(4.5)}
+    # p1 a table that sends 20 B: charged at its dense 300 B it waits for an empty credit and
+    # goes last; charged as one partition (40 B, task.credit_charges) it queues behind p2
+    sizes, ready = [100, 20, 100], {0: 1.0, 1: 0.1, 2: 0.0}
+    for charges, expected in (([100, 300, 100], {2: 1.5, 0: 3.0, 1: 3.7}), ([100, 40, 100], {2: 1.5, 1: 2.2, 0: 3.7})):
+        finish = whatif._issue_round(ready, sizes, charges, credit=150, alpha=0.5, beta=0.01, decision=0.0,
+                                     link_free=0.0)
+        assert finish == pytest.approx(expected) and sorted(finish, key=finish.get) == list(expected), charges
 
 
 def test_a_horovod_script_is_profiled_too(tmp_path):

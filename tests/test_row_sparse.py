@@ -92,11 +92,12 @@ def test_a_profile_records_the_rows_sent_and_the_whatif_replays_them(workdir):
     model = whatif.fit(json.loads((folder / "trace.json").read_text()))
     [table] = [p for p in model.params if "sent_bytes" in p]
     assert table["name"].endswith("embed.weight") and 0 < table["sent_bytes"] < 0.06 * table["bytes"], table
-    groups, sizes = whatif.layout(model, 256 * 1024, True)
+    groups, sizes, charges = whatif.layout(model, 256 * 1024, True)
     k = model.params.index(table)
     [g] = [g for g, members in enumerate(groups) if k in members]
     assert groups[g] == [k] and sizes[g] == table["sent_bytes"], "the table replays whole, as sent"
-    dense_groups, dense_sizes = whatif.layout(model, 256 * 1024, False)
+    assert charges[g] == 256 * 1024, "and holds the credit as one partition, as the scheduler charges it"
+    dense_groups, dense_sizes, _ = whatif.layout(model, 256 * 1024, False)
     assert sum(dense_sizes) == sum(p["bytes"] for p in model.params), "DDP's buckets stay dense"
 
 

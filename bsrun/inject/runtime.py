@@ -33,7 +33,7 @@ from bsrun.inject.updates import Updates
 from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.row_sparse import embedding_tables
-from bsrun.sched.task import Layout, forward_order
+from bsrun.sched.task import Layout, credit_charges, forward_order
 
 
 def why_not_schedulable(params: list[torch.Tensor], modules) -> str | None:
@@ -253,10 +253,7 @@ class ModelRuntime(Updates):
         trace = recorder.scheduler_trace(self) if recorder is not None else None
         if self.adapter.explorer is not None:
             trace = self.adapter.observer(trace)
-        # a table sent by its rows (sched/row_sparse.py) holds the credit as one partition, not
-        # as its dense bytes: charged 16 MB, it waited for all in flight and went last
-        sizes = [min(p.nbytes, self.partition_bytes) if p.rows else p.nbytes for p in self.partitions]
-        self.scheduler = Scheduler(backend, sizes,
+        self.scheduler = Scheduler(backend, credit_charges(self.partitions, self.partition_bytes),
                                    self.transport.credit(self.credit_bytes),
                                    self._on_partition_done, self._on_error, trace=trace)
 

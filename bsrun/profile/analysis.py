@@ -208,6 +208,24 @@ def _rounds(view: RankView, lo: float, hi: float) -> dict:
     return {k: ts for k, ts in rounds.items() if len(ts) == most}
 
 
+def dense_bytes_if_by_rows(transfer: Span) -> int:
+    """A transfer that sent an embedding table by its rows (bsrun/sched/row_sparse.py): one
+    piece, fewer bytes sent than it holds -> the piece's bytes; any other transfer -> 0."""
+    pieces = transfer.args.get("pieces") or []
+    return pieces[0][1] if len(pieces) == 1 and transfer.args.get("bytes", 0) < pieces[0][1] else 0
+
+
+def tables_by_rows(view: RankView, params: list[dict]) -> dict[str, float]:
+    """Embedding tables sent by their rows -> median bytes sent a round."""
+    whole = {p["name"]: p["bytes"] for p in params}
+    sent: dict[str, list[int]] = {}
+    for t in view.transfers:
+        name = (t.args.get("pieces") or [[None]])[0][0]
+        if dense_bytes_if_by_rows(t) and dense_bytes_if_by_rows(t) == whole.get(name):
+            sent.setdefault(name, []).append(t.args["bytes"])
+    return {name: statistics.median(b) for name, b in sent.items()}
+
+
 def layer_figures(view: RankView) -> dict[str, dict]:
     if len(view.boundaries) < 2:
         return {}

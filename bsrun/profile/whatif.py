@@ -18,7 +18,8 @@ compute and communication, event by event, and returns the steady-state step tim
   forward pass's first-use order (an embedding table that a scheduled profile saw sent by
   its rows: whole, of the bytes it sent); a partition is issued when it is ready on every
   rank (plus the decision latency) by the scheduler's own rule (task.next_to_issue: most
-  urgent first, while the bytes in flight stay within the credit); transfers share one
+  urgent first, while the bytes in flight stay within the credit, each partition charged
+  as task.credit_charges charges it); transfers share one
   link, in issue order; each layer's next forward waits for its own partitions and
   applies the updates that are ready (the dependency proxy); step() updates what arrived.
 - unscheduled (DDP): DDP's buckets (bsrun.sched.partition.ddp_buckets) in the order
@@ -42,7 +43,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
-from bsrun.profile.analysis import RankView, clip, forward_order, iterations, rank_views, total
+from bsrun.profile.analysis import (RankView, clip, dense_bytes_if_by_rows, forward_order, iterations, rank_views,
+                                   tables_by_rows, total)
 from bsrun.sched import link, task
 from bsrun.sched.partition import TensorInfo, ddp_buckets, plan_partitions
 
@@ -108,9 +110,9 @@ def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return (max(0.0, statistics.fmean(ys)), 0.0) if xs else (0.0, 0.0)
 
 
-def _collectives(views: list[RankView]) -> list[dict]:
-    """Each collective as all ranks saw it (matched by name and round): bytes, ready on
-    every rank, posted on every rank, finished (mean), in issue order."""
+def _collectives(views: list[RankView], partition_bytes: int) -> list[dict]:
+    """Each collective as all ranks saw it (matched by name and round): bytes sent, credit
+    charge, ready on every rank, posted on every rank, finished (mean), in issue order."""
     by_key: dict = {}
     for v in views:
         for t in v.transfers:
@@ -120,7 +122,8 @@ def _collectives(views: list[RankView]) -> list[dict]:
     for ts in by_key.values():
         if len(ts) != len(views):
             continue
-        out.append({"bytes": ts[0].args.get("bytes", 0),
+        nbytes, dense = ts[0].args.get("bytes", 0), dense_bytes_if_by_rows(ts[0])
+        out.append({"bytes": nbytes, "charge": min(dense, partition_bytes) if dense else nbytes,  # credit_charges
                     "ready": max(t.args["ready_us"] for t in ts) / 1e6,
                     "posted": max(t.args["post_us"] for t in ts) / 1e6,
                     "finished": statistics.fmean(t.args["finish_us"] for t in ts) / 1e6})
@@ -141,7 +144,7 @@ def fit_decision(collectives: list[dict], credit: int) -> float:
         allowed = c["ready"]
         earlier = sorted(collectives[:i], key=lambda e: e["finished"])
         in_flight = [e for e in earlier if e["finished"] > allowed]
-        while in_flight and sum(e["bytes"] for e in in_flight) + c["bytes"] > credit:
+        while in_flight and sum(e["charge"] for e in in_flight) + c["charge"] > credit:
             allowed = in_flight.pop(0)["finished"]
         delays.append(max(0.0, c["posted"] - allowed))
     return statistics.median(delays) if delays else 0.0
@@ -202,18 +205,6 @@ def _update_fit(views: list[RankView], params: list[dict]) -> tuple[float, float
     return least_squares(xs, ys)
 
 
-def _table_bytes(view: RankView, params: list[dict]) -> dict[str, float]:
-    """Embedding tables sent by their rows (bsrun/sched/row_sparse.py) -> median bytes a round:
-    a transfer of one whole tensor that sent fewer bytes than the tensor holds."""
-    whole = {p["name"]: p["bytes"] for p in params}
-    sent: dict[str, list[int]] = {}
-    for t in view.transfers:
-        pieces, nbytes = t.args.get("pieces") or [], t.args.get("bytes", 0)
-        if len(pieces) == 1 and pieces[0][1] == whole.get(pieces[0][0]) and nbytes < pieces[0][1]:
-            sent.setdefault(pieces[0][0], []).append(nbytes)
-    return {name: statistics.median(b) for name, b in sent.items()}
-
-
 def fit(trace: dict) -> Model:
     """The what-if model of a profile (see the module's docstring)."""
     views = rank_views(trace)
@@ -224,16 +215,16 @@ def fit(trace: dict) -> Model:
     ranks = [c for v in views if (c := _rank_compute(v, scheduled)) is not None]
     if not ranks:
         raise ValueError("the profile holds no complete iteration (a forward and a backward pass between two steps)")
-    collectives = _collectives(views)
-    alpha, beta = fit_link(collectives)
     config = meta.get("config") or {}
+    collectives = _collectives(views, config.get("partition") or 0)
+    alpha, beta = fit_link(collectives)
     credit = config.get("credit_bytes") or 0
     decision = fit_decision(collectives, credit) if scheduled else alpha
     rows = iterations(views)
     steps = [r["step_ms"] / 1e3 for r in rows]
     update_a, update_b = _update_fit(views, meta["params"])
     overlap_cost = OVERLAP_S_PER_TENSOR * len(meta["params"])
-    tables = _table_bytes(views[0], meta["params"])
+    tables = tables_by_rows(views[0], meta["params"])
     params = [{**p, "sent_bytes": tables[p["name"]]} if p["name"] in tables else p for p in meta["params"]]
     return Model(len(views), params, {l["name"]: l["params"] for l in meta["layers"]}, forward_order(views[0]),
                  ranks, alpha, beta, update_a, update_b, decision,
@@ -246,16 +237,17 @@ def fit(trace: dict) -> Model:
 # --- replay ------------------------------------------------------------------------------
 
 
-def _issue_round(ready: dict[int, float], sizes: list[int], credit: int, alpha: float, beta: float,
-                 decision: float, link_free: float) -> dict[int, float]:
-    """Finish time of each partition of one round under the scheduler's issue rule."""
+def _issue_round(ready: dict[int, float], sizes: list[int], charges: list[int], credit: int, alpha: float,
+                 beta: float, decision: float, link_free: float) -> dict[int, float]:
+    """Finish time of each partition of one round under the scheduler's issue rule: `sizes`
+    the bytes each sends, `charges` what each holds of the credit."""
     known = {p: t + decision for p, t in ready.items()}
     finish: dict[int, float] = {}
     t = min(known.values())
     while len(finish) < len(known):
         candidates = {p for p, k in known.items() if p not in finish and k <= t}
-        in_flight = sum(sizes[p] for p, f in finish.items() if f > t)
-        p = task.next_to_issue(candidates, in_flight, sizes, credit)
+        in_flight = sum(charges[p] for p, f in finish.items() if f > t)
+        p = task.next_to_issue(candidates, in_flight, charges, credit)
         if p is not None:
             start = max(t, link_free)
             link_free = finish[p] = start + alpha + beta * sizes[p]
@@ -282,21 +274,24 @@ def _forward(rank: RankCompute, begin: float, layer_deps: dict[str, set[int]], d
     return t + rank.forward - consumed
 
 
-def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[list[int]], list[int]]:
-    """(parameters of each collective, its bytes): bsrun's partitions or DDP's buckets."""
+def layout(model: Model, partition_bytes: int, scheduled: bool) -> tuple[list[list[int]], list[int], list[int]]:
+    """(parameters of each collective, the bytes it sends, its credit charge): bsrun's
+    partitions or DDP's buckets."""
     params = model.params
     if not scheduled:
         r0 = model.ranks[0]
         ready_order = sorted(range(len(params)), key=lambda i: r0.ready_at.get(params[i]["name"], float("inf")))
         buckets = [[ready_order[k] for k in b] for b in ddp_buckets([params[i]["bytes"] for i in ready_order])]
-        return buckets, [sum(params[i]["bytes"] for i in b) for b in buckets]
+        sizes = [sum(params[i]["bytes"] for i in b) for b in buckets]
+        return buckets, sizes, sizes
     index = {p["name"]: i for i, p in enumerate(params)}
     first_use = [index[n] for layer in model.forward_layers for n in model.layer_params.get(layer, []) if n in index]
     order = task.forward_order(first_use, [p["name"] for p in params])
     infos = [TensorInfo(p["numel"], p["element_size"], p["dtype"], int("sent_bytes" in p)) for p in params]
     parts = plan_partitions(infos, order, partition_bytes)
     return ([sorted({pc.tensor for pc in part.pieces}) for part in parts],
-            [params[part.pieces[0].tensor]["sent_bytes"] if part.rows else part.nbytes for part in parts])
+            [params[part.pieces[0].tensor]["sent_bytes"] if part.rows else part.nbytes for part in parts],
+            task.credit_charges(parts, partition_bytes))
 
 
 def _scaled(rank: RankCompute, factor: float) -> RankCompute:
@@ -332,7 +327,7 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
     """The replay: rank 0's step times, iteration by iteration, and their steady-state median."""
     params = model.params
     ranks = compute_for(model, scheduled)
-    groups, sizes = layout(model, partition_bytes, scheduled)
+    groups, sizes, charges = layout(model, partition_bytes, scheduled)
     index = {p["name"]: i for i, p in enumerate(params)}
     group_of: dict[int, list[int]] = {}
     for g, members in enumerate(groups):
@@ -360,7 +355,8 @@ def predict_detail(model: Model, partition_bytes: int, credit_bytes: int, schedu
                 ready[g] = max(ready.get(g, 0.0), b0 + at)
             ends.append(b0 + rank.backward)
         if scheduled:
-            done_at = _issue_round(ready, sizes, credit_bytes, model.alpha, model.beta, model.decision, link_free)
+            done_at = _issue_round(ready, sizes, charges, credit_bytes, model.alpha, model.beta, model.decision,
+                                   link_free)
         else:
             done_at, posted = {}, 0.0
             for g in range(len(groups)):  # in order: a bucket goes once it and those before are ready

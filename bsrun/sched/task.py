@@ -70,6 +70,13 @@ def next_to_issue(candidates: AbstractSet[int], in_flight_bytes: int, sizes: Seq
     return choice
 
 
+def credit_charges(partitions: Sequence[Partition], partition_bytes: int) -> list[int]:
+    """What each partition holds of the credit while in flight: its bytes, but an embedding
+    table sent by its rows (bsrun/sched/row_sparse.py) at most one partition's. Charged its
+    dense 16 MB, it waited for everything in flight and went last, though it sends ~2 MB."""
+    return [min(p.nbytes, partition_bytes) if p.rows else p.nbytes for p in partitions]
+
+
 class Layout:
     """Which partitions hold each tensor, which tensors each partition holds, and the two
     countdowns of a round. `tensor_ready` runs on the training thread and
