@@ -141,7 +141,7 @@ def test_the_replay_and_the_scheduler_make_the_same_issue_decisions(credit):
     sizes = [rng.randint(50, 300) for _ in range(count)]
     # As a backward pass makes them ready: the least urgent (highest id) first, with jitter.
     ready = {p: (count - p) * 1.0 + rng.uniform(0.0, 0.6) for p in range(count)}
-    finish = whatif._issue_round(ready, sizes, credit, alpha=0.4, beta=0.01, decision=0.0, link_free=0.0)
+    finish = whatif._issue_round(ready, sizes, sizes, credit, alpha=0.4, beta=0.01, decision=0.0, link_free=0.0)
     replayed = sorted(finish, key=finish.get)  # one link, first come first served
 
     backend = ScriptedBackend()
