@@ -10,10 +10,11 @@ Rank 0 saves the final model's state_dict to --out."""
 
 import argparse
 import dataclasses
-import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from exact_common import end_process_group
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -61,16 +62,7 @@ def main():
     trainer.train()
     if trainer.is_world_process_zero():
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, a.out)
-    # The Trainer leaves the process group to the script. Gloo's worker threads drop a
-    # finished collective's tensors after the caller has moved on, and that needs the GIL:
-    # if the group is destroyed first (at the interpreter's exit, or when the DDP model is
-    # freed) the process aborts ("terminate called without an active exception",
-    # pytorch/pytorch#190489; seen in CI in the run without bsrun) or deadlocks (the
-    # group's destructor joins a thread that waits for the GIL). So: all ranks done, a
-    # pause without the GIL for those threads, then the destroy.
-    torch.distributed.barrier()
-    time.sleep(0.2)
-    torch.distributed.destroy_process_group()
+    end_process_group()  # the Trainer leaves it to the script
 
 
 if __name__ == "__main__":
