@@ -220,8 +220,7 @@ def tables_by_rows(view: RankView, params: list[dict]) -> dict[str, float]:
     whole = {p["name"]: p["bytes"] for p in params}
     sent: dict[str, list[int]] = {}
     for t in view.transfers:
-        name = (t.args.get("pieces") or [[None]])[0][0]
-        if dense_bytes_if_by_rows(t) and dense_bytes_if_by_rows(t) == whole.get(name):
+        if (dense := dense_bytes_if_by_rows(t)) and dense == whole.get(name := t.args["pieces"][0][0]):
             sent.setdefault(name, []).append(t.args["bytes"])
     return {name: statistics.median(b) for name, b in sent.items()}
 

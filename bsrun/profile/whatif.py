@@ -123,7 +123,7 @@ def _collectives(views: list[RankView], partition_bytes: int) -> list[dict]:
         if len(ts) != len(views):
             continue
         nbytes, dense = ts[0].args.get("bytes", 0), dense_bytes_if_by_rows(ts[0])
-        out.append({"bytes": nbytes, "charge": min(dense, partition_bytes) if dense else nbytes,  # credit_charges
+        out.append({"bytes": nbytes, "charge": task.credit_charge(dense or nbytes, bool(dense), partition_bytes),
                     "ready": max(t.args["ready_us"] for t in ts) / 1e6,
                     "posted": max(t.args["post_us"] for t in ts) / 1e6,
                     "finished": statistics.fmean(t.args["finish_us"] for t in ts) / 1e6})

@@ -70,11 +70,17 @@ def next_to_issue(candidates: AbstractSet[int], in_flight_bytes: int, sizes: Seq
     return choice
 
 
+def credit_charge(nbytes: int, by_rows: bool, partition_bytes: int) -> int:
+    """What a partition of `nbytes` holds of the credit while in flight: its bytes, but an
+    embedding table sent by its rows (bsrun/sched/row_sparse.py) at most one partition's.
+    Charged its dense 16 MB, it waited for everything in flight and went last, though it
+    sends ~2 MB."""
+    return min(nbytes, partition_bytes) if by_rows else nbytes
+
+
 def credit_charges(partitions: Sequence[Partition], partition_bytes: int) -> list[int]:
-    """What each partition holds of the credit while in flight: its bytes, but an embedding
-    table sent by its rows (bsrun/sched/row_sparse.py) at most one partition's. Charged its
-    dense 16 MB, it waited for everything in flight and went last, though it sends ~2 MB."""
-    return [min(p.nbytes, partition_bytes) if p.rows else p.nbytes for p in partitions]
+    """`credit_charge` of each partition (what the scheduler is given as their sizes)."""
+    return [credit_charge(p.nbytes, bool(p.rows), partition_bytes) for p in partitions]
 
 
 class Layout:
