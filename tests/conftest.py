@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,20 @@ def bsrun_env(**extra):
             env[key] = value
     return env
 
+
+def run_as_group(argv, timeout, **kwargs) -> subprocess.CompletedProcess:
+    """A command run WITHOUT bsrun (torchrun, horovodrun: launchers whose workers outlive a
+    killed launcher), text output captured, in a session of its own: on timeout the whole
+    group it started is killed, not the launcher alone, and TimeoutExpired is raised."""
+    with subprocess.Popen(list(map(str, argv)), start_new_session=True, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group of the process we started
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 def run_bsrun(args, cwd, timeout=120, env=None, check=False):
     """`python -m bsrun ARGS` in cwd; returns the CompletedProcess (text)."""

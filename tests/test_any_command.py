@@ -4,13 +4,12 @@ and a process becomes a scheduled worker where it builds its DDP model, whoever 
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_as_group, run_bsrun
 
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"
@@ -22,8 +21,7 @@ def run_plain(args, cwd, env=None, timeout=180):
     once in a plain HF Trainer torchrun run, once in this file's plain run in a full suite):
     that reference run alone is tried once more. The bsrun runs get no second try."""
     for _ in range(2):
-        proc = subprocess.run(list(map(str, args)), cwd=cwd, env=env or bsrun_env(), capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = run_as_group(args, timeout, cwd=cwd, env=env or bsrun_env())
         if proc.returncode == 0 or GLOO_EXIT_ABORT not in proc.stderr:
             break
     assert proc.returncode == 0, f"{args} without bsrun exited {proc.returncode}\n{proc.stderr[-3000:]}"

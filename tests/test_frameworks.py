@@ -51,13 +51,12 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_bsrun
+from conftest import WORKERS, assert_same_state, assert_scheduled, bsrun_env, last_run, run_as_group, run_bsrun
 
 SCHED = ["--partition", "4KiB", "--credit", "2x", "--timeout", "60"]
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -83,8 +82,7 @@ def tail(proc) -> str:
 
 def reference(workdir, command, out, timeout):
     """The command exactly as users run it, without bsrun; rank 0's saved state."""
-    proc = subprocess.run([*map(str, command), "--out", str(out)], cwd=workdir, env=env(), capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = run_as_group([*command, "--out", out], timeout, cwd=workdir, env=env())
     assert proc.returncode == 0, f"the reference run (no bsrun) exited {proc.returncode}\n{tail(proc)}"
     assert out.exists(), f"the reference run saved nothing\n{tail(proc)}"
     return torch.load(out)

@@ -7,14 +7,13 @@ anywhere); bsrun's runs are compared with it by allclose(rtol=1e-5).
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import (REPO, WORKERS, assert_same_state, assert_same_switches, bsrun_env, bsrun_namespaces, last_run,
-                      run_bsrun, show)
+                      run_as_group, run_bsrun, show)
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed (scripts/install-horovod.sh)")
 SCRIPT = WORKERS / "train_hvd.py"
@@ -32,9 +31,8 @@ def plain_horovodrun(workdir, args):
     if key in _PLAIN_RUNS:
         return torch.load(_PLAIN_RUNS[key])
     out = workdir / "plain.pt"
-    proc = subprocess.run([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(SCRIPT),
-                           *args, "--out", str(out)], cwd=workdir, env=bsrun_env(), capture_output=True,
-                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = run_as_group([HOROVODRUN, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, SCRIPT, *args,
+                         "--out", out], 120, cwd=workdir, env=bsrun_env())
     assert proc.returncode == 0, f"plain horovodrun failed:\n{proc.stdout}\n{proc.stderr}"
     _PLAIN_RUNS[key] = out
     return torch.load(out)
