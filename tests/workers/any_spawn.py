@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import any_common  # noqa: E402
+from exact_common import end_process_group  # noqa: E402
 
 WORLD = 2
 
@@ -33,7 +34,7 @@ def worker(rank: int, out: str | None, sleep_dir: str | None) -> None:
     any_common.train(model, rank)
     if rank == 0:
         any_common.save(model.module, out)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def free_port() -> int:

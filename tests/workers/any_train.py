@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import any_common  # noqa: E402
+from exact_common import end_process_group  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -21,4 +22,4 @@ model = DDP(any_common.make_model())
 any_common.train(model, rank)
 if rank == 0:
     any_common.save(model.module, a.out)
-dist.destroy_process_group()
+end_process_group()

@@ -1,6 +1,7 @@
 """What the exactness workers share: one thread, the gloo group, the same initial model on
 every rank (seed 0, drawn after the group is up) and each rank's own data stream; and the
-group's clean end for the scripts (the HF Trainer's) that do not end it themselves."""
+group's clean end, for the scripts whose run without bsrun is the reference (a torch
+teardown race would otherwise now and then abort or hang that run)."""
 
 import time
 
