@@ -199,7 +199,8 @@ def _csv(values: str) -> list[str]:
               help="emulated link rate(s), comma-separated (1gbit,3gbit); 'none' = unshaped loopback; root")
 @click.option("--modes", default="ddp,bsrun,bound", show_default=True,
               help="comma-separated, from ddp, bsrun (adapting), bsrun-fixed (--no-adapt), horovod, "
-                   "bsrun-horovod, compute, comm, bound (max of compute alone and comm alone, per step), "
+                   "bsrun-horovod (adapting), bsrun-horovod-fixed, compute, comm, bound (max of compute "
+                   "alone and comm alone, per step), "
                    "overlap (both at once in two threads), replay (a profile of bsrun-fixed replayed "
                    "under a perfect schedule, dependencies kept), ps (parameter servers unscheduled) "
                    "and bsrun:ORDER (forward, tic, tac, fifo)")

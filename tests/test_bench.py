@@ -51,7 +51,7 @@ def check(records, saved, text, bandwidth, modes):
 @pytest.mark.slow
 def test_every_mode_on_loopback(tmp_path):
     pytest.importorskip("horovod.torch", reason="the horovod modes need Horovod (scripts/install-horovod.sh)")
-    modes = [*MODES, "bsrun-fixed"]
+    modes = [*MODES, "bsrun-fixed", "bsrun-horovod-fixed"]
     records, saved, text = bench(tmp_path, [None], modes)
     check(records, saved, text, None, modes)
     by_mode = {r["mode"]: r for r in records}
@@ -68,12 +68,14 @@ def test_every_mode_on_loopback(tmp_path):
     else:
         assert all(r["captured"] is None for r in records)
     assert by_mode["horovod"]["speedup_vs_horovod"] == pytest.approx(1.0)
-    for scheduled in ("bsrun", "bsrun-fixed", "bsrun-horovod"):
+    for scheduled in ("bsrun", "bsrun-fixed", "bsrun-horovod", "bsrun-horovod-fixed"):
         assert by_mode[scheduled]["launched_as"] == ["scheduled"]
     for plain in ("ddp", "horovod", "bound", "overlap"):
         assert by_mode[plain]["launched_as"] == ["off"]
     # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more, enough for four points)
-    assert by_mode["bsrun"]["late_decisions"] == [[]] and len(by_mode["bsrun"]["kept_points"]) == 1
+    for adapting in ("bsrun", "bsrun-horovod"):
+        assert by_mode[adapting]["late_decisions"] == [[]] and len(by_mode[adapting]["kept_points"]) == 1
+    assert by_mode["bsrun-horovod-fixed"]["kept_points"] == []  # --no-adapt
     assert "vs horovod" in text and "attainable" in text and "captured" in text
 
 
@@ -153,7 +155,7 @@ def test_a_failed_run_is_reported_and_the_others_are_kept(tmp_path):
     assert rec["median_step_s"] == pytest.approx(0.6) and rec["errors"] == ["exited with code 2"]
 
 
-def test_only_bsrun_adapts_and_every_other_scheduled_mode_is_fixed(tmp_path):
+def test_only_the_default_modes_adapt_and_every_other_scheduled_mode_is_fixed(tmp_path):
     def args(mode, arch="allreduce"):
         return launch_args("tiny", mode, 2, None, 3, 1, None, tmp_path / "r.json", arch, 1, tmp_path)
 
@@ -161,22 +163,26 @@ def test_only_bsrun_adapts_and_every_other_scheduled_mode_is_fixed(tmp_path):
         a = args(mode, arch)
         return a[:a.index("-np")]
 
-    assert flags("bsrun") == ["--schedule"] and flags("bsrun", "ps")[:1] == ["--schedule"]
-    assert "--no-adapt" not in flags("bsrun", "ps")
-    for fixed in ("bsrun-fixed", "bsrun-horovod", "ps", "bsrun:forward", "bsrun:tic", "bsrun:tac", "bsrun:fifo"):
+    for adapting in ("bsrun", "bsrun-horovod"):
+        assert flags(adapting) == ["--schedule"], adapting
+    assert flags("bsrun", "ps")[:1] == ["--schedule"] and "--no-adapt" not in flags("bsrun", "ps")
+    assert "--arch" not in flags("bsrun-horovod-fixed", "ps")  # Horovod stays on its all-reduce
+    for fixed in ("bsrun-fixed", "bsrun-horovod-fixed", "ps", "bsrun:forward", "bsrun:tic", "bsrun:tac", "bsrun:fifo"):
         assert flags(fixed)[:2] == ["--schedule", "--no-adapt"], fixed
     for plain in ("ddp", "horovod", "compute", "comm", "bound", "overlap"):
         assert flags(plain) == ["--no-schedule"], plain  # adaptation is part of scheduling
-    fixed, adapting = args("bsrun-fixed"), args("bsrun")  # the same worker and script as bsrun
-    assert fixed[fixed.index("--mode") + 1] == "bsrun"
+
     def worker_args(a):  # from -np on, and the warm-up apart
         rest = a[a.index("-np"):]
         i = rest.index("--warmup") + 1
         return rest[:i] + rest[i + 1:], int(rest[i])
 
-    (fixed_rest, fixed_warmup), (adapting_rest, adapting_warmup) = worker_args(fixed), worker_args(adapting)
-    assert fixed_rest == adapting_rest
-    assert adapting_warmup == fixed_warmup + SEARCH_STEPS  # bsrun's timed steps start after its first search
+    for fixed_mode, adapting_mode in (("bsrun-fixed", "bsrun"), ("bsrun-horovod-fixed", "bsrun-horovod")):
+        fixed, adapting = args(fixed_mode), args(adapting_mode)  # the same worker and script
+        assert fixed[fixed.index("--mode") + 1] == adapting_mode
+        (fixed_rest, fixed_warmup), (adapting_rest, adapting_warmup) = worker_args(fixed), worker_args(adapting)
+        assert fixed_rest == adapting_rest
+        assert adapting_warmup == fixed_warmup + SEARCH_STEPS  # timed steps start after the first search
 
 
 @pytest.mark.slow

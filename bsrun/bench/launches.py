@@ -21,9 +21,10 @@ from bsrun.sched.adaptive import SEARCH_STEPS, describe_point
 
 MODES = ("ddp", "bsrun", "horovod", "bsrun-horovod", "compute", "comm", "bound", "overlap")  # the worker's
 ORDERS = ("forward", "tic", "tac", "fifo")
-SCHEDULED_MODES = ("bsrun", "bsrun-fixed", "bsrun-horovod", "ps",
+SCHEDULED_MODES = ("bsrun", "bsrun-fixed", "bsrun-horovod", "bsrun-horovod-fixed", "ps",
                    *(f"bsrun:{o}" for o in ORDERS))  # others: --no-schedule
-ADAPTING_MODES = ("bsrun",)  # bsrun's defaults, adaptation included; other scheduled modes: --no-adapt
+ADAPTING_MODES = ("bsrun", "bsrun-horovod")  # bsrun's defaults, adaptation included; other scheduled modes: --no-adapt
+FIXED_MODES = {"bsrun-fixed": "bsrun", "bsrun-horovod-fixed": "bsrun-horovod"}  # --no-adapt, and the worker mode
 PS_BASELINE = ["--order", "fifo", "--partition", "tensor"]  # and the default credit: unlimited then
 TAIL_LINES = 20
 STOP_GRACE_S = 30.0  # bsrun itself gives its workers 10 s, then tears the network down
@@ -67,7 +68,7 @@ def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) 
     if mode not in SCHEDULED_MODES:
         return ["--no-schedule"]
     flags = ["--schedule"] if mode in ADAPTING_MODES else ["--schedule", "--no-adapt"]
-    if mode == "ps" or (arch == "ps" and mode != "bsrun-horovod"):  # Horovod stays on its all-reduce
+    if mode == "ps" or (arch == "ps" and not mode.startswith("bsrun-horovod")):  # Horovod stays on its all-reduce
         flags += ["--arch", "ps", "--servers", str(servers)]
     if mode == "ps":
         flags += PS_BASELINE
@@ -78,20 +79,21 @@ def arch_flags(mode: str, arch: str, servers: int, profile: Path | None = None) 
 
 
 def worker_mode(mode: str) -> str:
-    """The worker builds a DDP model for every bench mode that is not its own."""
-    return mode if mode in MODES else "bsrun"
+    """The worker builds a DDP model for every bench mode that is not its own (Horovod's
+    optimizer for bsrun-horovod-fixed)."""
+    return mode if mode in MODES else FIXED_MODES.get(mode, "bsrun")
 
 
 def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
                 warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
                 profile: Path | None = None) -> list[str]:
-    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only
-    "bsrun" adapts, and its warm-up has SEARCH_STEPS more steps: the bench compares steady
-    states, and the search's one-time cost is the adaptation's own figure."""
+    """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only the
+    ADAPTING_MODES adapt, and their warm-up has SEARCH_STEPS more steps: the bench compares
+    steady states, and the search's one-time cost is the adaptation's own figure."""
     args = arch_flags(mode, arch, servers, profile)
     if bandwidth is not None:
         args += ["--emulate-bandwidth", bandwidth]
-    if mode == "bsrun":  # its timed steps start where its first search has settled
+    if mode in ADAPTING_MODES:  # its timed steps start where its first search has settled
         warmup += SEARCH_STEPS
     args += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
              "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]

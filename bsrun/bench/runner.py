@@ -29,11 +29,12 @@ from bsrun.sched.adaptive import SEARCH_STEPS
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
-# The bench's modes: the worker's, "bsrun-fixed" (bsrun's defaults without adaptation),
+# The bench's modes: the worker's, "bsrun-fixed" and "bsrun-horovod-fixed" (bsrun's
+# defaults without adaptation),
 # "ps" (parameter servers unscheduled: each tensor whole, as it becomes ready, no credit
 # limit), "bsrun:ORDER" (bsrun with that --order) and "replay" (a profile of bsrun-fixed
 # replayed under a perfect schedule: bsrun/bench/replay.py).
-BENCH_MODES = (*MODES, "bsrun-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS), "replay")
+BENCH_MODES = (*MODES, "bsrun-fixed", "bsrun-horovod-fixed", "ps", *(f"bsrun:{o}" for o in ORDERS), "replay")
 BASELINES = ("ddp", "horovod", "ps")  # each mode's speed is also given relative to these
 # Below this attainable share of DDP's step a captured share divides the noise by almost
 # zero (a 0.04% gain read as 37545% captured), so none is given.
@@ -155,7 +156,7 @@ def _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, ar
                          f"choose from {', '.join(BENCH_MODES)}")
     if arch not in ("allreduce", "ps") or servers < 1:
         raise BsrunError("--arch must be allreduce or ps, and --servers at least 1")
-    if any(m in ("horovod", "bsrun-horovod") for m in modes) and not horovod_installed():
+    if any("horovod" in m for m in modes) and not horovod_installed():
         raise BsrunError("the horovod modes need Horovod; install it with scripts/install-horovod.sh")
     if nproc < 1 or steps < 1 or repeat < 1 or warmup < 0 or (batch is not None and batch < 1):
         raise BsrunError("-np, steps, repeat and batch must be at least 1, warmup at least 0")
