@@ -6,6 +6,7 @@ by the tests that read them (module fixtures); Ctrl-C gets a launch of its own.
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -114,6 +115,10 @@ def test_the_summary_tables_and_timeline_tell_the_same_story(scheduled):
         ranks = list(row["per_rank"].values())  # a row averages the ranks: the bound is each rank's
         assert all(r["bound_ms"] == pytest.approx(max(r["compute_ms"], r["comm_ms"])) for r in ranks)
         assert row["bound_ms"] == pytest.approx(sum(r["bound_ms"] for r in ranks) / len(ranks))
+        assert row["slowest_compute_ms"] == max(r["compute_ms"] for r in ranks) >= row["compute_ms"]
+    assert summary["median"]["slowest_compute_ms"] == pytest.approx(
+        statistics.median(r["slowest_compute_ms"] for r in summary["iterations"]))
+    assert "slowest rank's compute" in proc.stdout  # what no schedule can take off the step
     for row in summary["layers"]:
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0 and row["comm_ms"] > 0
     assert summary["layers"][3]["bytes"] == (512 * 256 + 256) * 4  # head.0: Linear(512, 256)

@@ -178,20 +178,23 @@ LAYER_KEYS = ("forward_ms", "backward_ms", "comm_ms", "queue_ms", "exposed_comm_
 
 
 def iterations(views: list[RankView]) -> list[dict]:
-    """Per recorded iteration: the figures averaged over ranks (and each rank's)."""
+    """Per recorded iteration: the figures averaged over ranks (and each rank's), and the
+    slowest rank's compute: a synchronous step waits for that rank whatever the schedule."""
     per_rank = {v.rank: {n: iteration_figures(v, a, b) for a, b, n in v.windows()} for v in views}
     steps = sorted(set().union(*(set(d) for d in per_rank.values()))) if per_rank else []
     rows = []
     for n in steps:
         figures = [d[n] for d in per_rank.values() if n in d]
         row = {"step": n, **{k: statistics.fmean(f[k] for f in figures) for k in ITERATION_KEYS}}
+        row["slowest_compute_ms"] = max(f["compute_ms"] for f in figures)
         row["per_rank"] = {r: d[n] for r, d in per_rank.items() if n in d}
         rows.append(row)
     return rows
 
 
 def median_row(rows: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rows) for k in ITERATION_KEYS} if rows else {}
+    keys = (*ITERATION_KEYS, "slowest_compute_ms")
+    return {k: statistics.median(r[k] for r in rows) for k in keys} if rows else {}
 
 
 # --- per layer ------------------------------------------------------------------------------

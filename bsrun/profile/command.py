@@ -86,7 +86,8 @@ def summarise(folder: Path, trace_obj: dict) -> dict:
 def print_summary(summary: dict, folder: Path, console: Console) -> None:
     console.print(report.layer_table(summary))
     console.print(report.iteration_table(summary))
-    for line in report.model_lines(summary) + [f"note: {n}" for n in summary["notes"]]:
+    lines = report.straggler_lines(summary) + report.model_lines(summary)
+    for line in lines + [f"note: {n}" for n in summary["notes"]]:
         console.print(line, highlight=False, markup=False)
     files = [folder / trace.TRACE_FILE, folder / SUMMARY_FILE]
     if (folder / TIMELINE_FILE).exists():

@@ -46,6 +46,19 @@ def iteration_table(summary: dict) -> Table:
     return table
 
 
+def straggler_lines(summary: dict) -> list[str]:
+    """What no schedule can take off the step: the slowest rank's compute, which every
+    synchronous step waits for (ranks of one job differ a lot on a busy machine)."""
+    median = summary.get("median") or {}
+    if len(summary.get("ranks") or []) < 2 or not median:
+        return []
+    step, slowest, mean = median["step_ms"], median["slowest_compute_ms"], median["compute_ms"]
+    left = max(0.0, step - slowest)
+    return [f"slowest rank's compute: {slowest:.1f} ms a step (mean over ranks {mean:.1f} ms); a synchronous "
+            f"step cannot be shorter, so {left:.1f} ms ({100 * left / step:.0f}%) of the {step:.1f} ms step "
+            f"is left to scheduling (medians)"]
+
+
 def model_lines(summary: dict) -> list[str]:
     model = summary.get("whatif")
     if not model:
