@@ -6,6 +6,11 @@ rank calls the model's training-thread agreement (`Transport.agree`, a broadcast
 every rank switches after the same step, and the switch itself (`ModelRuntime.reconfigure`)
 first finishes the round and applies every pending update: parameters are exactly what
 they would have been without the switch. Only rank 0's clock and transfers count.
+Once a point is kept, the drift checks' agreement is posted without waiting
+(`Transport.agree_later`) and carried out one step later, on every rank at that step: a
+blocking broadcast after step() would make the faster rank wait there for the slower
+one's whole step (its updates included), where the dependency proxy lets it start its
+next forward.
 
 Off (said in the run summary, with why): --no-adapt; a tuning trial or a profile, which
 measure the point as given, unless --adapt was given; PowerSGD (its state is per bucket;
@@ -46,6 +51,7 @@ class Adapter:
         self.boundaries: list[float] = []  # rank 0: step() returns since the last decision
         self.transfers: list[tuple[int, float, float]] | None = None  # (bytes, post, finish) while fitting
         self._posts: dict[int, float] = {}
+        self._agreeing = None  # a steady window's (decision, agreement), posted a step ago
 
     @staticmethod
     def _why_off(config) -> str | None:
@@ -132,10 +138,20 @@ class Adapter:
         self.steps += 1
         if state.worker_rank() == 0:
             self.boundaries.append(time.perf_counter())
+        if self._agreeing is not None:  # every rank posted it at the step before this one
+            decision, agreement = self._agreeing
+            self._agreeing = None
+            self._carry_out(number, self._agreed(decision, agreement()))
+            self.next_decision = self.steps + WINDOW
+            return
         if self.steps < self.next_decision:
             return
         decision = self._decide() if state.worker_rank() == 0 else None
-        self._carry_out(number, self._agree(decision))
+        values = self._values(decision)
+        if not self.searching:  # every rank alike: `searching` is rank 0's, as agreed
+            self._agreeing = (decision, self.runtime.transport.agree_later(values))
+            return
+        self._carry_out(number, self._agreed(decision, self.runtime.transport.agree(values)))
         self.next_decision = self.steps + WINDOW
 
     def _decide(self) -> Decision:
@@ -147,9 +163,8 @@ class Adapter:
 
     # --- every rank ----------------------------------------------------------------------
 
-    def _agree(self, decision: Decision | None) -> tuple[str, Point, bool, str, float | None]:
-        """Rank 0's decision on every rank: (kind, point, trace, why, median). The other
-        ranks record the why's first word (rank 0's report has the whole sentence)."""
+    def _values(self, decision: Decision | None) -> list[int]:
+        """Rank 0's decision as the integers agreement sends (the other ranks' are ignored)."""
         values = [0] * 8
         if decision is not None:
             point = decision.point or self.explorer.current
@@ -158,7 +173,11 @@ class Adapter:
                       _ORDERS.index("fifo" if point.order == "fifo" else "configured"), int(point.proxy),
                       int(decision.trace), int((decision.median_s or 0) * 1e9),
                       _WHYS.index(decision.why.split(":")[0])]
-        agreed = self.runtime.transport.agree(values)
+        return values
+
+    def _agreed(self, decision: Decision | None, agreed: list[int]) -> tuple[str, Point, bool, str, float | None]:
+        """Rank 0's decision on every rank: (kind, point, trace, why, median). The other
+        ranks record the why's first word (rank 0's report has the whole sentence)."""
         order = "fifo" if _ORDERS[agreed[3]] == "fifo" else self.runtime.configured_order_name
         point = Point(agreed[1], agreed[2], order, bool(agreed[4]))
         why = decision.why if decision is not None else f"{_WHYS[agreed[7]]} (rank 0's decision)"

@@ -90,6 +90,10 @@ class Transport(Protocol):
     def agree(self, values: list[int]) -> list[int]:
         """Rank 0's values, on every rank (a collective of the training thread)."""
 
+    def agree_later(self, values: list[int]) -> Callable[[], list[int]]:
+        """agree() posted now, without waiting: calling the result waits and returns rank
+        0's values (so the ranks do not wait for each other where it is posted)."""
+
     def backend(self, partitions, grad_of, dtypes) -> CommBackend:
         """The scheduler's backend for these partitions."""
 

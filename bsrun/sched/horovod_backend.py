@@ -77,6 +77,12 @@ class HorovodTransport:
         tensor = torch.tensor(values, dtype=torch.int64)
         return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
 
+    def agree_later(self, values: list[int]):
+        """Under a name of its own: a blocking agree() (the replica check) may run while it is in flight."""
+        handle = hvd.broadcast_async(torch.tensor(values, dtype=torch.int64), root_rank=0,
+                                     name=f"{self.name}.agree_later")
+        return lambda: hvd.synchronize(handle).tolist()
+
     def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
         """Each layout's partitions under names of their own (every rank lays out as often,
         at the same steps): a partition id of a new layout is another tensor, of another

@@ -97,9 +97,17 @@ class TorchTransport:
         return self.reduce is None
 
     def agree(self, values: list[int]) -> list[int]:
+        return self.agree_later(values)()
+
+    def agree_later(self, values: list[int]):
         tensor = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
-        return tensor.tolist()
+        work = dist.broadcast(tensor, src=dist.get_global_rank(self.control_group, 0), group=self.control_group,
+                              async_op=True)
+
+        def result() -> list[int]:
+            work.wait()
+            return tensor.tolist()
+        return result
 
     def backend(self, partitions, grad_of, dtypes) -> TorchDistBackend:
         return TorchDistBackend(self.data_group, self.negotiation_group, partitions, grad_of, dtypes,
