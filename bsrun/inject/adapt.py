@@ -142,7 +142,6 @@ class Adapter:
             decision, agreement = self._agreeing
             self._agreeing = None
             self._carry_out(number, self._agreed(decision, agreement()))
-            self.next_decision = self.steps + WINDOW
             return
         if self.steps < self.next_decision:
             return
@@ -152,7 +151,6 @@ class Adapter:
             self._agreeing = (decision, self.runtime.transport.agree_later(values))
             return
         self._carry_out(number, self._agreed(decision, self.runtime.transport.agree(values)))
-        self.next_decision = self.steps + WINDOW
 
     def _decide(self) -> Decision:
         if not self.switches:
@@ -201,6 +199,7 @@ class Adapter:
         self._posts.clear()
         self.transfers = [] if trace and state.worker_rank() == 0 else None
         self.boundaries = self.boundaries[-1:]
+        self.next_decision = self.steps + WINDOW
 
     def report(self) -> dict:
         if self.why_off is not None:

@@ -74,13 +74,14 @@ class HorovodTransport:
         self.postscale = gradient_predivide_factor if average else 1.0
 
     def agree(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        return hvd.broadcast(tensor, root_rank=0, name=f"{self.name}.agree").tolist()
+        return self._broadcast(values, "agree")()
 
     def agree_later(self, values: list[int]):
         """Under a name of its own: a blocking agree() (the replica check) may run while it is in flight."""
-        handle = hvd.broadcast_async(torch.tensor(values, dtype=torch.int64), root_rank=0,
-                                     name=f"{self.name}.agree_later")
+        return self._broadcast(values, "agree_later")
+
+    def _broadcast(self, values: list[int], name: str):
+        handle = hvd.broadcast_async(torch.tensor(values, dtype=torch.int64), root_rank=0, name=f"{self.name}.{name}")
         return lambda: hvd.synchronize(handle).tolist()
 
     def backend(self, partitions, grad_of, dtypes) -> HorovodBackend:
