@@ -25,10 +25,10 @@ from bsrun.sched.adaptive import SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_po
 
 # Long enough for a search from a learned point to reach every candidate it queues (the
 # incumbent at step WARMUP_STEPS, then up to three candidates a window each: switches at 6,
-# 10 and 14), to confirm a winner on a second window (18) and to keep one (by step
-# SEARCH_STEPS, 22).
+# 10 and 14), to confirm a winner on a second window (18), to time the incumbent again (22)
+# and to keep one (by step SEARCH_STEPS, 26).
 STEPS = SEARCH_STEPS
-assert STEPS == WARMUP_STEPS + 5 * WINDOW
+assert STEPS == WARMUP_STEPS + 6 * WINDOW
 LEARNED_LINE = "bsrun: adapting from the point the last run kept ("
 START_WHY = "explore: timing the starting point"
 USER_PARTITION = 3_000_000  # "3MB": never a point adaptation picks (powers of two, 4 MiB, 25 MiB)

@@ -50,8 +50,10 @@ def test_the_search_tries_the_fitted_and_unscheduled_like_points_and_keeps_the_f
     tried = [d.point for d in decisions if d.point is not None and d.why.startswith("explore")]
     assert unscheduled_like() in tried and any(p.proxy and p != START for p in tried)
     assert decisions[-1].why.startswith("keep") and explorer.kept == unscheduled_like()
-    assert decisions[-1].median_s == 0.5  # the kept point's; tried last, so no switch is needed
-    assert decisions[-1].point is None and explorer.current == unscheduled_like()
+    assert decisions[-1].median_s == 0.5  # the kept point's
+    # tried last, it runs its second window without a switch; the incumbent runs once more; back to it
+    assert [d.point for d in decisions[-3:]] == [None, START, unscheduled_like()], decisions[-3:]
+    assert decisions[-2].why.startswith("explore: re-timing the incumbent") and explorer.current == unscheduled_like()
     assert unscheduled_like() == Point(DDP_BUCKET_BYTES, UNLIMITED, "fifo", False)
     assert decisions[1].why.endswith("link fitted: 1 ms a partition, 125 MB/s"), decisions[1].why
     assert all("link fitted" not in d.why for d in decisions[2:])
@@ -89,6 +91,34 @@ def test_a_winner_replaces_the_starting_point_only_if_its_second_window_confirms
     assert explorer.kept != START and explorer.kept.proxy and decisions[-1].why.startswith("keep: ")
     assert "confirmed" in decisions[-1].why and decisions[-1].median_s == 0.5
     assert len(decisions) - 1 <= (SEARCH_STEPS - WARMUP_STEPS) // WINDOW  # windows within the search's budget
+
+
+def test_a_run_that_speeds_up_as_it_goes_does_not_move_the_search():
+    """Every point takes the same time at a given window, and every window is 4% faster than
+    the one before (the run still warming up): the later-timed candidates win their first
+    window and their second, but the incumbent, timed again, shows the trend, and is kept.
+    The same trend under a challenger that is really 10% faster keeps the challenger."""
+    def speeding_up(gain):
+        windows = []
+
+        def times_of(point):
+            windows.append(point)
+            return 0.96 ** len(windows) * (1 - gain if point == unscheduled_like() else 1)
+        return times_of
+
+    transfers = link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20])
+    explorer = Explorer(START, Fixed())
+    decisions = search(explorer, speeding_up(0.0), transfers)
+    assert any(d.why.startswith("explore: confirming") for d in decisions)  # the bias the re-timing removes
+    assert any(d.why.startswith("explore: re-timing the incumbent") for d in decisions)
+    assert explorer.kept == START and decisions[-1].why.startswith("keep: the incumbent; timed again"), decisions[-1]
+    assert decisions[-1].point is None and explorer.current == START  # it runs already
+    assert decisions[-1].median_s == pytest.approx(0.96 ** 5)  # its latest window: what a drift is measured by
+
+    explorer = Explorer(START, Fixed())
+    decisions = search(explorer, speeding_up(0.1), transfers)
+    assert explorer.kept == unscheduled_like() and "confirmed" in decisions[-1].why, decisions[-1]
+    assert decisions[-1].point == unscheduled_like()
 
 
 def test_knobs_the_user_fixed_stay_fixed_in_every_point():

@@ -20,7 +20,11 @@ Each is timed for one window (its first step, which pays the switch, is not time
 decision after the incumbent's window says the fitted link (a, B) in its why; the
 fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster, twice:
 the winner runs a second window and must beat the incumbent's median again (steps vary by
-10-25% here, and one lucky window once kept a point that then ran 22-32% slower). Then,
+10-25% here, and one lucky window once kept a point that then ran 22-32% slower); then the
+incumbent is timed once more (A/B/A). Its first window comes right after the warm-up, so a
+run that still speeds up (or slows down) as it goes favoured whatever was timed later; the
+incumbent's first and last windows give that trend, and the winner is kept only if its two
+windows beat the incumbent as interpolated at those same windows by KEEP_MARGIN. Then,
 every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
 row off by more than DRIFT (the network or the load changed) start the search again,
 re-fitted on the windows after the change.
@@ -39,10 +43,11 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-# A first search, to the step that keeps a point: up to five windows (the starting point,
+# A first search, to the step that keeps a point: up to six windows (the starting point,
 # the fitted one, the unscheduled-like one and, when the start is a learned point, the
-# configured one; then a second window for a winner that would replace the start).
-SEARCH_STEPS = WARMUP_STEPS + 5 * WINDOW
+# configured one; then a second window for a winner that would replace the start, and the
+# start once more).
+SEARCH_STEPS = WARMUP_STEPS + 6 * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 # Not below 1 MiB: what a partition costs the CPU (hooks, the comm thread's Python, on 2
@@ -139,7 +144,10 @@ class Explorer:
         self.kept_median: float | None = None
         self.queue: list[Point] = []     # points still to try in this search
         self.confirming: Point | None = None  # the winner, on its second window
-        self.timed: dict[Point, float] = {}
+        self.retiming: tuple[Point, list[tuple[int, float]]] | None = None  # the winner and its (window, median)s
+        self.timed: dict[Point, float] = {}  # each point's first median in this search ...
+        self.timed_at: dict[Point, int] = {}  # ... and its window (0: the incumbent's first)
+        self.windows = 0                      # windows ended in this search
         self.searching = True
         self.drifting = 0
 
@@ -158,15 +166,19 @@ class Explorer:
         if self.drifting < DRIFT_WINDOWS:
             return Decision(None, "steady", median)
         self.drifting = 0
-        self.searching, self.timed, self.queue, self.confirming = True, {}, [], None
+        self.searching, self.timed, self.timed_at, self.windows = True, {}, {}, 0
+        self.queue, self.confirming, self.retiming = [], None, None
         return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
                               f"re-timing it and searching again", median, trace=True)
 
     def _search(self, median: float | None, transfers) -> Decision:
+        window, self.windows = self.windows, self.windows + 1
+        if self.retiming is not None:
+            return self._after_retiming(median, window)
         if self.confirming is not None:
-            return self._confirm(median)
+            return self._confirm(median, window)
         if median is not None:
-            self.timed[self.current] = median
+            self.timed[self.current], self.timed_at[self.current] = median, window
         fit = ""
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
             fitted = fit_link(transfers)
@@ -206,16 +218,35 @@ class Explorer:
         times = ", ".join(f"{t:.4g}" for t in self.timed.values())
         return self._settle(best, f"keep: fastest median step {self.timed[best]:.4g} s of {times}", self.timed[best])
 
-    def _confirm(self, median: float | None) -> Decision:
-        """After the challenger's second window: kept if it beat the incumbent again."""
+    def _confirm(self, median: float | None, window: int) -> Decision:
+        """After the challenger's second window: if it beat the incumbent again, the
+        incumbent runs once more; else the incumbent is kept."""
         challenger, incumbent, self.confirming = self.confirming, self.kept, None
         before = self.timed[incumbent]
         if median is not None and median <= before * (1 - KEEP_MARGIN):
-            return self._settle(challenger, f"keep: {self._name(challenger)}, confirmed: {median:.4g} s "
-                                            f"against {before:.4g} s", (self.timed[challenger] + median) / 2)
+            self.retiming = (challenger, [(self.timed_at[challenger], self.timed[challenger]), (window, median)])
+            return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(challenger)} took "
+                                           f"{median:.4g} s on its second window against {before:.4g} s)", median)
         second = "untimed" if median is None else f"{median:.4g} s"
         return self._settle(incumbent, f"keep: the incumbent; {self._name(challenger)} took {second} on its "
                                        f"second window against {before:.4g} s", before)
+
+    def _after_retiming(self, median: float | None, window: int) -> Decision:
+        """The winner is kept if its two windows beat, by KEEP_MARGIN, the incumbent
+        interpolated at those windows between its first and its last."""
+        (challenger, theirs), incumbent, self.retiming = self.retiming, self.kept, None
+        first_at, first = self.timed_at[incumbent], self.timed[incumbent]
+        trend = 0.0 if median is None else (median - first) / (window - first_at)
+        expected = statistics.fmean(first + trend * (at - first_at) for at, _ in theirs)
+        ours = statistics.fmean(t for _, t in theirs)
+        timed = f"{first:.4g} s" + ("" if median is None else f" then {median:.4g} s")
+        if ours <= expected * (1 - KEEP_MARGIN):
+            return self._settle(challenger, f"keep: {self._name(challenger)}, confirmed: {ours:.4g} s against "
+                                            f"{expected:.4g} s for the incumbent at its windows (timed {timed})",
+                                ours)
+        return self._settle(incumbent, f"keep: the incumbent; timed again ({timed}) it would take {expected:.4g} s "
+                                       f"at the windows where {self._name(challenger)} took {ours:.4g} s",
+                            first if median is None else median)
 
     def _switch(self, point: Point, why: str, median: float | None) -> Decision:
         """Run `point` next (no switch when it runs already)."""
