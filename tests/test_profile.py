@@ -53,6 +53,15 @@ def steps_of(trace, pid):
     return sorted(e["ts"] for e in trace["traceEvents"] if e.get("pid") == pid and e.get("cat") == "step")
 
 
+def backward_ends(trace, pid):
+    """{n: when rank pid's last backward pass of iteration n ended}; iteration n runs from
+    the step() return before it to step n's."""
+    bounds = sorted((e["ts"], e["args"]["step"]) for e in trace["traceEvents"]
+                    if e.get("pid") == pid and e.get("cat") == "step")
+    ends = [e["ts"] + e["dur"] for e in spans(trace, pid, "pass") if e["name"].startswith("backward")]
+    return {n: max(t for t in ends if a < t <= b) for (a, _), (b, n) in zip(bounds, bounds[1:])}
+
+
 def assert_nested(trace):
     """On every thread of every rank, complete events nest: none ends inside another."""
     by_thread = defaultdict(list)
@@ -119,6 +128,13 @@ def test_the_summary_tables_and_timeline_tell_the_same_story(scheduled):
     assert summary["median"]["slowest_compute_ms"] == pytest.approx(
         statistics.median(r["slowest_compute_ms"] for r in summary["iterations"]))
     assert "slowest rank's compute" in proc.stdout  # what no schedule can take off the step
+    ends = [backward_ends(trace, rank) for rank in (0, 1)]  # the rank lag, from the raw events
+    for row in summary["iterations"]:
+        n = row["step"]
+        assert row["rank_lag_ms"] == pytest.approx(abs(ends[0][n] - ends[1][n]) / 1e3, abs=1e-3), n
+    assert summary["median"]["rank_lag_ms"] == pytest.approx(
+        statistics.median(r["rank_lag_ms"] for r in summary["iterations"]))
+    assert "rank lag: the ranks' backward passes end" in proc.stdout
     for row in summary["layers"]:
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0 and row["comm_ms"] > 0
     assert summary["layers"][3]["bytes"] == (512 * 256 + 256) * 4  # head.0: Linear(512, 256)

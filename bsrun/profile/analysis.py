@@ -177,23 +177,34 @@ ITERATION_KEYS = ("step_ms", "compute_ms", "comm_ms", "overlap_pct", "exposed_co
 LAYER_KEYS = ("forward_ms", "backward_ms", "comm_ms", "queue_ms", "exposed_comm_ms")
 
 
+def backward_end(view: RankView, lo: float, hi: float) -> float | None:
+    """When the iteration's last backward pass ended (None: none in it)."""
+    ends = [s.t1 for s in view.backward_passes if lo < s.t1 <= hi]
+    return max(ends) if ends else None
+
+
 def iterations(views: list[RankView]) -> list[dict]:
-    """Per recorded iteration: the figures averaged over ranks (and each rank's), and the
-    slowest rank's compute: a synchronous step waits for that rank whatever the schedule."""
-    per_rank = {v.rank: {n: iteration_figures(v, a, b) for a, b, n in v.windows()} for v in views}
+    """Per recorded iteration: the figures averaged over ranks (and each rank's); the
+    slowest rank's compute: a synchronous step waits for that rank whatever the schedule;
+    and the rank lag, how far apart (ms, on rank 0's clock) the ranks' backward passes
+    ended: the earlier rank's last gradients wait that long for the other's."""
+    windows = {v.rank: {n: (a, b) for a, b, n in v.windows()} for v in views}
+    per_rank = {v.rank: {n: iteration_figures(v, a, b) for n, (a, b) in windows[v.rank].items()} for v in views}
     steps = sorted(set().union(*(set(d) for d in per_rank.values()))) if per_rank else []
     rows = []
     for n in steps:
         figures = [d[n] for d in per_rank.values() if n in d]
         row = {"step": n, **{k: statistics.fmean(f[k] for f in figures) for k in ITERATION_KEYS}}
         row["slowest_compute_ms"] = max(f["compute_ms"] for f in figures)
+        ends = [e for v in views if n in windows[v.rank] and (e := backward_end(v, *windows[v.rank][n])) is not None]
+        row["rank_lag_ms"] = (max(ends) - min(ends)) / 1e3 if ends else 0.0
         row["per_rank"] = {r: d[n] for r, d in per_rank.items() if n in d}
         rows.append(row)
     return rows
 
 
 def median_row(rows: list[dict]) -> dict:
-    keys = (*ITERATION_KEYS, "slowest_compute_ms")
+    keys = (*ITERATION_KEYS, "slowest_compute_ms", "rank_lag_ms")
     return {k: statistics.median(r[k] for r in rows) for k in keys} if rows else {}
 
 

@@ -48,7 +48,8 @@ def iteration_table(summary: dict) -> Table:
 
 def straggler_lines(summary: dict) -> list[str]:
     """What no schedule can take off the step: the slowest rank's compute, which every
-    synchronous step waits for (ranks of one job differ a lot on a busy machine)."""
+    synchronous step waits for (ranks of one job differ a lot on a busy machine), and
+    how far apart the ranks' backward passes end."""
     median = summary.get("median") or {}
     if len(summary.get("ranks") or []) < 2 or not median:
         return []
@@ -56,7 +57,9 @@ def straggler_lines(summary: dict) -> list[str]:
     left = max(0.0, step - slowest)
     return [f"slowest rank's compute: {slowest:.1f} ms a step (mean over ranks {mean:.1f} ms); a synchronous "
             f"step cannot be shorter, so {left:.1f} ms ({100 * left / step:.0f}%) of the {step:.1f} ms step "
-            f"is left to scheduling (medians)"]
+            f"is left to scheduling (medians)",
+            f"rank lag: the ranks' backward passes end {median['rank_lag_ms']:.1f} ms apart (median); the "
+            f"earlier rank's last gradients wait that long for the other's"]
 
 
 def model_lines(summary: dict) -> list[str]:
