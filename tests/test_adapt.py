@@ -58,23 +58,28 @@ def train(workdir, name, bsrun_args, opt, steps=STEPS):
 # ---------------------------------------------------------------- exploration, exactly
 
 
+PS = ["--arch", "ps", "--servers", "2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdir, opt):
-    """Adaptation is on by default and exact through its switches. 20 steps of a 5-layer
+@pytest.mark.parametrize("opt,arch", [("sgd", []), ("adam", []), ("adam", PS)], ids=["sgd", "adam", "adam-ps"])
+def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdir, opt, arch):
+    """Adaptation is on by default and exact through its switches. 24 steps of a 5-layer
     MLP (three 4.2 MB layers: several partitions a step at the default 4 MiB) with SGD+momentum or
-    Adam, under `bsrun` (default knobs) and under `bsrun --no-schedule` (plain DDP): every
-    rank ends with the same model, optimizer state, gradients and losses as plain DDP (rtol
-    1e-5), so no switch of partition, order, credit or proxy lost, doubled or reordered an
-    update. The summary shows both ranks scheduled, at least 3 switches identical on both
-    ranks (same steps, same points), every tried candidate given a whole window of steps,
-    a switch to the DDP-like point (25 MiB, fifo, unlimited credit, synchronised at step():
-    proxy False), and the search ended settled on the point of its "keep", one it tried.
-    (Knobs given by flag stay fixed in every candidate, so this run gives none but
-    --timeout.)"""
+    Adam, under `bsrun` (default knobs; on all-reduce, or on 2 parameter servers, where
+    each switch is a new layout on the servers) and under `bsrun --no-schedule` (plain
+    DDP): every rank ends with the same model, optimizer state, gradients and losses as
+    plain DDP (rtol 1e-5), so no switch of partition, order, credit or proxy lost, doubled
+    or reordered an update. The summary shows both ranks scheduled, at least 3 switches
+    identical on both ranks (same steps, same points), every tried candidate given a whole
+    window of steps, a switch to the DDP-like point (25 MiB, fifo, unlimited credit,
+    synchronised at step(): proxy False), and the search ended settled on the point of its
+    "keep", one it tried. (Knobs given by flag stay fixed in every candidate, so this run
+    gives none but --timeout.)"""
     plain, plain_summary = train(workdir, "plain", ["--no-schedule", *TIMEOUT], opt)
     assert {r.get("mode") for r in plain_summary["ranks"]} == {"off"}
-    sched, summary = train(workdir, "sched", TIMEOUT, opt)
+    sched, summary = train(workdir, "sched", [*arch, *TIMEOUT], opt)
+    assert summary["config"]["arch"] == ("ps" if arch else "allreduce")
     assert_scheduled(summary)
     for r in (0, 1):
         assert_same_state(sched[r], plain[r], f"rank {r}")

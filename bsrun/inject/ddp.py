@@ -105,8 +105,6 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         self._bsrun = ModelRuntime(module.named_parameters(), module.modules(), config, self._bsrun_transport,
                                    unused_group=(self._bsrun_transport.control_group
                                                  if a["find_unused_parameters"] or a["static_graph"] else None))
-        if config.arch == "ps":
-            self._bsrun.adapter.stop("--arch ps: the servers keep the partitions' layout")
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable's; Join sets it
         self._bsrun_sync_work = None  # under Join: the last "this forward synchronises" all-reduce
         self.modules_buffers = list(module.buffers())

@@ -12,7 +12,8 @@ gloo's point-to-point work cannot be polled (it completes only in wait()), so re
 taken in the order posted (`in_order`); a sum that arrives early waits in its buffer.
 
 `PSTransport`: the ranks agree and negotiate as for all-reduce; the bytes go to the
-servers. Each model of the process is a numbered model on the servers.
+servers. Each model of the process is a numbered model on the servers, and each of its
+layouts (a new one at every adaptation switch) a numbered generation of it.
 """
 
 from __future__ import annotations
@@ -43,16 +44,17 @@ class PSBackend(TorchDistBackend):
     in_order = True
     matched_by_order = False  # sends and receives per server: each round negotiated
 
-    def __init__(self, group: Group, model: int, negotiation_group, partitions, grad_of, dtypes):
+    def __init__(self, group: Group, model: int, generation: int, negotiation_group, partitions, grad_of, dtypes):
         super().__init__(None, negotiation_group, partitions, grad_of, dtypes)
         self.group = group
-        self.model = model
+        self.model, self.generation = model, generation
         self.world_size = group.workers
         self.owner = assign_servers([p.nbytes for p in partitions], group.servers)
         data_tag(model, len(partitions) - 1)  # too many partitions: fail now, with the reason
         if group.rank == 0:
             numels = [sum(pc.stop - pc.start for pc in p.pieces) for p in partitions]
-            group.store.set(layout_key(model), encode_layout(numels, [p.dtype for p in partitions], self.owner))
+            group.store.set(layout_key(model, generation),
+                            encode_layout(numels, [p.dtype for p in partitions], self.owner))
 
     def server_of(self, pid: int) -> int:
         return self.group.server_rank(self.owner[pid])
@@ -60,7 +62,7 @@ class PSBackend(TorchDistBackend):
     def post(self, pid: int):
         data = self.pack(pid)
         server, tag, pg = self.server_of(pid), data_tag(self.model, pid), self.group.pg
-        header = torch.tensor([self.model, pid], dtype=torch.int64)
+        header = torch.tensor([self.model, pid, self.generation], dtype=torch.int64)
         works = [pg.send([header], server, HEADER_TAG), pg.send([data], server, tag)]
         works.append(pg.recv([data], server, tag))
         return pid, data, _PushPull(works, header)
@@ -78,6 +80,8 @@ class PSTransport(TorchTransport):
             _GROUP.append(Group.from_env(dist.get_rank(), timeout))
         self.group = _GROUP[0]
         self.model = next(_MODEL_NUMBERS)
+        self.generations = itertools.count()  # one per layout: every rank switches at the same step
 
     def backend(self, partitions, grad_of, dtypes) -> PSBackend:
-        return PSBackend(self.group, self.model, self.negotiation_group, partitions, grad_of, dtypes)
+        return PSBackend(self.group, self.model, next(self.generations), self.negotiation_group, partitions,
+                         grad_of, dtypes)

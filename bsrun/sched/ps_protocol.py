@@ -4,14 +4,17 @@ One gloo process group of its own spans the N workers (ranks 0..N-1, their ranks
 job) and the K servers (ranks N..N+K-1); its store is a TCPStore held by server 0. The
 script's own process group is untouched.
 
-A push of partition `pid` of model `m` is two messages from the worker to the server that
-holds the partition: a header (int64 [m, pid]) on HEADER_TAG, then the gradient bytes on
-`data_tag(m, pid)`. The pull is the server's reply on the same tag: the sum over all
-workers, sent to each as soon as the last push arrived. Messages between two ranks on one
-tag arrive in the order they were sent, so rounds need no number.
+A push of partition `pid` of model `m` in its layout `g` is two messages from the worker
+to the server that holds the partition: a header (int64 [m, pid, g]) on HEADER_TAG, then
+the gradient bytes on `data_tag(m, pid)`. The pull is the server's reply on the same tag:
+the sum over all workers, sent to each as soon as the last push arrived. Messages between
+two ranks on one tag arrive in the order they were sent, so rounds need no number.
 
-The layout of model `m` (each partition's element count, dtype and server) is written to
-the store by worker 0 before its first push, under `layout_key(m)`.
+Layout g of model `m` (each partition's element count, dtype and server) is written to the
+store by worker 0 before its first push, under `layout_key(m, g)`. A model is laid out
+anew when adaptation switches its point (g = 0, 1, ...); every worker first finishes the
+round, so no push of the old layout is left when the first of the new one is sent, and
+the tags can be the same.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ def data_tag(model: int, pid: int) -> int:
     return 1 + model * MAX_PARTITIONS + pid
 
 
-def layout_key(model: int) -> str:
-    return f"layout/{model}"
+def layout_key(model: int, generation: int) -> str:
+    return f"layout/{model}/{generation}"
 
 
 def assign_servers(sizes: list[int], servers: int) -> list[int]:

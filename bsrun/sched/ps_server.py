@@ -33,25 +33,25 @@ PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "so
 class SummationServer:
     def __init__(self, group: Group):
         self.group = group
-        self.layouts: dict[int, dict] = {}
+        self.layouts: dict[tuple[int, int], dict] = {}  # (model, generation) -> layout
         self.sums: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (m, pid) -> (sum, pushes)
         self.lock = threading.Lock()
         self.sends: queue.Queue = queue.Queue()
         self.errors: queue.Queue = queue.Queue()
 
-    def layout(self, model: int) -> dict:
+    def layout(self, model: int, generation: int) -> dict:
         with self.lock:
-            if model not in self.layouts:  # worker 0 writes it before its first push
-                self.layouts[model] = decode_layout(self.group.store.get(layout_key(model)))
-            return self.layouts[model]
+            if (model, generation) not in self.layouts:  # worker 0 writes it before its first push
+                self.layouts[(model, generation)] = decode_layout(self.group.store.get(layout_key(model, generation)))
+            return self.layouts[(model, generation)]
 
     def serve_worker(self, worker: int) -> None:
         pg = self.group.pg
-        header = torch.empty(2, dtype=torch.int64)
+        header = torch.empty(3, dtype=torch.int64)
         while True:
             pg.recv([header], worker, HEADER_TAG).wait()
-            model, pid = header.tolist()
-            layout = self.layout(model)
+            model, pid, generation = header.tolist()
+            layout = self.layout(model, generation)
             data = torch.empty(layout["numel"][pid], dtype=layout["dtype"][pid])
             pg.recv([data], worker, data_tag(model, pid)).wait()
             self.add(model, pid, data)
