@@ -33,17 +33,22 @@ PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "so
 class SummationServer:
     def __init__(self, group: Group):
         self.group = group
-        self.layouts: dict[tuple[int, int], dict] = {}  # (model, generation) -> layout
+        self.layouts: dict[int, tuple[int, dict]] = {}  # model -> (its newest generation, that layout)
         self.sums: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (m, pid) -> (sum, pushes)
         self.lock = threading.Lock()
         self.sends: queue.Queue = queue.Queue()
         self.errors: queue.Queue = queue.Queue()
 
     def layout(self, model: int, generation: int) -> dict:
+        """Worker 0 writes a layout before its first push. A new generation replaces the
+        one before: every push of that one was read before a worker could send the first
+        of the new one (each had pulled every sum of the old layout)."""
         with self.lock:
-            if (model, generation) not in self.layouts:  # worker 0 writes it before its first push
-                self.layouts[(model, generation)] = decode_layout(self.group.store.get(layout_key(model, generation)))
-            return self.layouts[(model, generation)]
+            known = self.layouts.get(model)
+            if known is None or known[0] != generation:
+                known = (generation, decode_layout(self.group.store.get(layout_key(model, generation))))
+                self.layouts[model] = known
+            return known[1]
 
     def serve_worker(self, worker: int) -> None:
         pg = self.group.pg
