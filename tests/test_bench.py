@@ -15,14 +15,14 @@ import psutil
 import pytest
 from rich.console import Console
 
-from bsrun.bench.launches import MODES, RunResult, _late_decisions, launch_args, run_once
+from bsrun.bench.launches import ADAPTING_MODES, MODES, RunResult, _late_decisions, compared_warmup, launch_args, run_once
 from bsrun.bench.runner import bench_table, run_bench, summarise
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
 from bsrun.sched.adaptive import SEARCH_STEPS
 from conftest import signal_when, start_bsrun
 
-REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "spread", "speedup_vs_ddp",
+REQUIRED = {"model", "bandwidth", "mode", "median_step_s", "mean_step_s", "warmup", "spread", "speedup_vs_ddp",
             "efficiency", "attainable_gain", "captured", "compute_part_s", "comm_part_s", "repeats", "steps"}
 
 
@@ -41,6 +41,10 @@ def check(records, saved, text, bandwidth, modes):
         assert r["median_step_s"] > 0 and r["repeats"] == 1 and r["steps"] == 3
         assert r["bandwidth"] == bandwidth and r["model"] == "tiny"
         assert r["spread"][0] <= r["median_step_s"] <= r["spread"][1]
+        assert r["mean_step_s"] > 0
+    # every mode's timed steps start at the same step: after the first search when one adapts
+    adapting = any(m in ADAPTING_MODES for m in modes)
+    assert {r["warmup"] for r in records} == {1 + SEARCH_STEPS if adapting else 1}, text
     assert saved["results"] == records
     assert all(REQUIRED <= rec.keys() for rec in saved["results"])
     by_mode = {r["mode"]: r for r in records}
@@ -149,10 +153,11 @@ def test_a_failed_run_is_reported_and_the_others_are_kept(tmp_path):
     failed = run_once(args, "ddp", tmp_path, out, timeout=60)
     assert failed.error.startswith("exited with code 2"), failed.error
     assert "--steps and --batch must be at least 1" in failed.error  # the tail of its output
-    ok = RunResult("ddp", [0.5, 0.7, 0.6], {"batch": 16, "params": 1, "grad_bytes": 4})
+    ok = RunResult("ddp", [0.5, 0.9, 0.6], {"batch": 16, "params": 1, "grad_bytes": 4})
     (rec,) = summarise("tiny", None, 2, 3, [failed, ok], ["ddp"])
     assert rec["repeats"] == 1 and rec["failed_repeats"] == 1
     assert rec["median_step_s"] == pytest.approx(0.6) and rec["errors"] == ["exited with code 2"]
+    assert rec["mean_step_s"] == pytest.approx(2.0 / 3)  # beside the median: a long step counts
 
 
 def test_only_the_default_modes_adapt_and_every_other_scheduled_mode_is_fixed(tmp_path):
@@ -181,8 +186,12 @@ def test_only_the_default_modes_adapt_and_every_other_scheduled_mode_is_fixed(tm
         fixed, adapting = args(fixed_mode), args(adapting_mode)  # the same worker and script
         assert fixed[fixed.index("--mode") + 1] == adapting_mode
         (fixed_rest, fixed_warmup), (adapting_rest, adapting_warmup) = worker_args(fixed), worker_args(adapting)
-        assert fixed_rest == adapting_rest
-        assert adapting_warmup == fixed_warmup + SEARCH_STEPS  # timed steps start after the first search
+        assert fixed_rest == adapting_rest and adapting_warmup == fixed_warmup == 1  # the runner decides
+
+    # compared side by side, every mode waits out the adaptive one's first search
+    assert compared_warmup(["ddp", "bsrun-fixed", "bsrun", "bound"], 2) == 2 + SEARCH_STEPS
+    assert compared_warmup(["ddp", "bsrun-horovod"], 0) == SEARCH_STEPS
+    assert compared_warmup(["ddp", "bsrun-fixed", "bsrun:tic", "bound"], 2) == 2  # nothing adapts
 
 
 @pytest.mark.slow

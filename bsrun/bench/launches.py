@@ -84,17 +84,24 @@ def worker_mode(mode: str) -> str:
     return mode if mode in MODES else FIXED_MODES.get(mode, "bsrun")
 
 
+def compared_warmup(modes: list[str], warmup: int) -> int:
+    """The warm-up every mode of one comparison gets: with an ADAPTING_MODE among them,
+    SEARCH_STEPS more, so its timed steps start where its first search has settled (the
+    bench compares steady states; the search's one-time cost is the adaptation's own
+    figure), and all the others' start at the same step: a run's step time drifts over its
+    first tens of steps (bsrun's at 0.5 Gbit/s lengthened 6-9% over thirty), so modes timed
+    at different steps are not comparable."""
+    return warmup + SEARCH_STEPS if any(m in ADAPTING_MODES for m in modes) else warmup
+
+
 def launch_args(model: str, mode: str, nproc: int, bandwidth: str | None, steps: int,
                 warmup: int, batch: int | None, out: Path, arch: str = "allreduce", servers: int = 1,
                 profile: Path | None = None) -> list[str]:
     """bsrun's arguments for one run; only the SCHEDULED_MODES are scheduled, only the
-    ADAPTING_MODES adapt, and their warm-up has SEARCH_STEPS more steps: the bench compares
-    steady states, and the search's one-time cost is the adaptation's own figure."""
+    ADAPTING_MODES adapt. `warmup` is the whole warm-up (compared_warmup for a comparison)."""
     args = arch_flags(mode, arch, servers, profile)
     if bandwidth is not None:
         args += ["--emulate-bandwidth", bandwidth]
-    if mode in ADAPTING_MODES:  # its timed steps start where its first search has settled
-        warmup += SEARCH_STEPS
     args += ["-np", str(nproc), sys.executable, "-m", "bsrun.bench.worker", "--model", model,
              "--mode", worker_mode(mode), "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
     if batch is not None:

@@ -36,7 +36,7 @@ def replay_once(model: str, nproc: int, bandwidth: str | None, steps: int, warmu
     best = whatif.best_schedule(fitted)
     breakdown = whatif.gap_breakdown(fitted, perfect_s=best["step_s"])
     steady = best["step_times_s"][len(best["step_times_s"]) // 2:]
-    info = {"profiled_step_s": fitted.profiled["measured_step_s"], "replayed_profiled_s": breakdown[-1][1],
+    info = {"warmup": warmup, "profiled_step_s": fitted.profiled["measured_step_s"], "replayed_profiled_s": breakdown[-1][1],
             "breakdown": [list(row) for row in breakdown], "link_gbit_per_s": 8e-9 / fitted.beta if fitted.beta else None}
     return RunResult("replay", steady, info, launched_as="replayed")
 

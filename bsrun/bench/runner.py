@@ -19,13 +19,12 @@ from pathlib import Path
 
 from rich.table import Table
 
-from bsrun.bench.launches import (MODES, ORDERS, SCHEDULED_MODES, RunResult, available_models, launch_args,
-                                  profile_for_tac, run_once, run_timeout_s)
+from bsrun.bench.launches import (MODES, ORDERS, SCHEDULED_MODES, RunResult, available_models, compared_warmup,
+                                  launch_args, profile_for_tac, run_once, run_timeout_s)
 from bsrun.bench.replay import breakdown_line, replay_once
 from bsrun.errors import BsrunError
 from bsrun.fsutil import atomic_write_json
 from bsrun.launch.horovod import horovod_installed
-from bsrun.sched.adaptive import SEARCH_STEPS
 
 __all__ = ["MODES", "available_models", "run_bench"]
 
@@ -59,6 +58,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
         times = [t for r in ok for t in r.step_times]
         per_repeat = [statistics.median(r.step_times) for r in ok]
         median = statistics.median(times) if times else None
+        mean = statistics.fmean(times) if times else None
         if median is not None:
             medians[mode] = median
         info = ok[0].info if ok else {}
@@ -68,10 +68,11 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "batch": info.get("batch"), "params": info.get("params"),
             "grad_bytes": info.get("grad_bytes"),
             "median_step_s": median,
+            "mean_step_s": mean,  # beside the median: bsrun's steps can alternate short and long
             "spread": [min(per_repeat), max(per_repeat)] if per_repeat else None,
             "per_repeat_median_s": per_repeat,
             "step_iqr_s": quartiles[2] - quartiles[0] if quartiles else None,
-            "repeats": len(ok), "failed_repeats": len(failed), "steps": steps,
+            "repeats": len(ok), "failed_repeats": len(failed), "steps": steps, "warmup": info.get("warmup"),
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
             "kept_points": [r.kept for r in ok if r.kept],  # adaptation's, one per repeat
             "late_decisions": [r.late_decisions for r in ok],  # adaptation's in the timed steps, per repeat
@@ -122,7 +123,7 @@ def bench_table(model: str, records: list[dict]) -> Table:
     if first["params"] is not None:
         title += (f": {first['params'] / 1e6:.2f}M params, {first['grad_bytes'] / 1e6:.1f} MB "
                   f"of gradients, batch {first['batch']} per rank, {first['world_size']} ranks")
-    table = Table(title=title, caption="step: median over all timed steps of all repeats; "
+    table = Table(title=title, caption="step: median over all timed steps of all repeats; mean: their mean; "
                   "spread: min-max of per-repeat medians; step IQR: interquartile range of all the "
                   "steps (TicTac's straggler measure); efficiency: bound / mode; attainable: "
                   "(ddp - bound) / ddp, the most a schedule can take off DDP's step; captured: "
@@ -130,7 +131,7 @@ def bench_table(model: str, records: list[dict]) -> Table:
     bases = [b for b in BASELINES if any(r[f"speedup_vs_{b}"] is not None for r in records)]
     replayed = any(r.get("attainable_replay") is not None for r in records)  # older records lack it
     replay_cols = ("attainable (replay)", "captured (replay)") if replayed else ()
-    for col in ("bandwidth", "mode", "step (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
+    for col in ("bandwidth", "mode", "step (s)", "mean (s)", "spread (s)", "step IQR (s)", *(f"vs {b}" for b in bases),
                 "efficiency", "attainable", "captured", *replay_cols, "repeats"):
         table.add_column(col, justify="left" if col in ("bandwidth", "mode") else "right")
     for i, r in enumerate(records):
@@ -142,7 +143,7 @@ def bench_table(model: str, records: list[dict]) -> Table:
         replay_cells = ((_fmt(r["attainable_replay"], ".0%") if first else "", _fmt(r["captured_replay"], ".0%"))
                         if replayed else ())
         table.add_row(r["bandwidth"] or "loopback", r["mode"], _fmt(r["median_step_s"], ".4g"),
-                      spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"),
+                      _fmt(r.get("mean_step_s"), ".4g"), spread, _fmt(r["step_iqr_s"], ".3g"), *speedups, _fmt(r["efficiency"], ".2f"),
                       _fmt(r["attainable_gain"], ".0%") if first else "", _fmt(r["captured"], ".0%"),
                       *replay_cells, repeats, end_section=last and i < len(records) - 1)
     return table
@@ -187,7 +188,8 @@ def run_bench(models: list[str], nproc: int, bandwidths: list[str | None], modes
     """
     models, modes, bandwidths = list(models), list(modes), list(bandwidths) or [None]
     _validate(models, nproc, bandwidths, modes, steps, warmup, repeat, batch, arch, servers)
-    timeout = run_timeout_s(steps, warmup + SEARCH_STEPS)
+    warmup = compared_warmup(modes, warmup)  # every mode's timed steps start at the same step
+    timeout = run_timeout_s(steps, warmup)
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bsrun-bench-") as scratch:
         # Runs happen in a scratch folder: their .bsrun/ summaries do not overwrite the
