@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from bsrun.sched import link
 
@@ -120,6 +120,13 @@ def fitted_point(link: tuple[float, float] | None, incumbent: Point, model_bytes
     return Point(partition, 2 * partition, incumbent.order if incumbent.order != "fifo" else "forward", True)
 
 
+class Timing(NamedTuple):
+    """A point's median step over one timing window; windows count from the search's first (0)."""
+
+    window: int
+    median: float
+
+
 @dataclass
 class Decision:
     point: Point | None      # switch to it at this boundary; None: stay
@@ -144,9 +151,8 @@ class Explorer:
         self.kept_median: float | None = None
         self.queue: list[Point] = []     # points still to try in this search
         self.confirming: Point | None = None  # the winner, on its second window
-        self.retiming: tuple[Point, list[tuple[int, float]]] | None = None  # the winner and its (window, median)s
-        self.timed: dict[Point, float] = {}  # each point's first median in this search ...
-        self.timed_at: dict[Point, int] = {}  # ... and its window (0: the incumbent's first)
+        self.retiming: tuple[Point, list[Timing]] | None = None  # the winner and its two windows
+        self.timed: dict[Point, Timing] = {}  # each point's first window in this search
         self.windows = 0                      # windows ended in this search
         self.searching = True
         self.drifting = 0
@@ -166,7 +172,7 @@ class Explorer:
         if self.drifting < DRIFT_WINDOWS:
             return Decision(None, "steady", median)
         self.drifting = 0
-        self.searching, self.timed, self.timed_at, self.windows = True, {}, {}, 0
+        self.searching, self.timed, self.windows = True, {}, 0
         self.queue, self.confirming, self.retiming = [], None, None
         return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
                               f"re-timing it and searching again", median, trace=True)
@@ -178,7 +184,7 @@ class Explorer:
         if self.confirming is not None:
             return self._confirm(median, window)
         if median is not None:
-            self.timed[self.current], self.timed_at[self.current] = median, window
+            self.timed[self.current] = Timing(window, median)
         fit = ""
         if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
             fitted = fit_link(transfers)
@@ -207,24 +213,25 @@ class Explorer:
     def _keep(self, median: float | None) -> Decision:
         """The fastest point; one that would replace the incumbent is first confirmed."""
         incumbent = self.kept
-        best = min(self.timed, key=self.timed.get)
-        if incumbent in self.timed and self.timed[best] > self.timed[incumbent] * (1 - KEEP_MARGIN):
+        medians = {point: timing.median for point, timing in self.timed.items()}
+        best = min(medians, key=medians.get)
+        if incumbent in medians and medians[best] > medians[incumbent] * (1 - KEEP_MARGIN):
             best = incumbent
-        if best != incumbent and incumbent in self.timed:
+        if best != incumbent and incumbent in medians:
             self.confirming = best
-            why = (f"explore: confirming {self._name(best)} ({self.timed[best]:.4g} s against "
-                   f"{self.timed[incumbent]:.4g} s) on a second window")
+            why = (f"explore: confirming {self._name(best)} ({medians[best]:.4g} s against "
+                   f"{medians[incumbent]:.4g} s) on a second window")
             return self._switch(best, why, median)
-        times = ", ".join(f"{t:.4g}" for t in self.timed.values())
-        return self._settle(best, f"keep: fastest median step {self.timed[best]:.4g} s of {times}", self.timed[best])
+        times = ", ".join(f"{t:.4g}" for t in medians.values())
+        return self._settle(best, f"keep: fastest median step {medians[best]:.4g} s of {times}", medians[best])
 
     def _confirm(self, median: float | None, window: int) -> Decision:
         """After the challenger's second window: if it beat the incumbent again, the
         incumbent runs once more; else the incumbent is kept."""
         challenger, incumbent, self.confirming = self.confirming, self.kept, None
-        before = self.timed[incumbent]
+        before = self.timed[incumbent].median
         if median is not None and median <= before * (1 - KEEP_MARGIN):
-            self.retiming = (challenger, [(self.timed_at[challenger], self.timed[challenger]), (window, median)])
+            self.retiming = (challenger, [self.timed[challenger], Timing(window, median)])
             return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(challenger)} took "
                                            f"{median:.4g} s on its second window against {before:.4g} s)", median)
         second = "untimed" if median is None else f"{median:.4g} s"
@@ -235,7 +242,7 @@ class Explorer:
         """The winner is kept if its two windows beat, by KEEP_MARGIN, the incumbent
         interpolated at those windows between its first and its last."""
         (challenger, theirs), incumbent, self.retiming = self.retiming, self.kept, None
-        first_at, first = self.timed_at[incumbent], self.timed[incumbent]
+        first_at, first = self.timed[incumbent]
         trend = 0.0 if median is None else (median - first) / (window - first_at)
         expected = statistics.fmean(first + trend * (at - first_at) for at, _ in theirs)
         ours = statistics.fmean(t for _, t in theirs)
