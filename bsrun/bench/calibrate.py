@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from bsrun.bench.launches import launch_args, profile_args, run_once, run_timeout_s
+from bsrun.bench.launches import compared_warmup, launch_args, profile_args, run_once, run_timeout_s
 from bsrun.bench.runner import run_bench
 from bsrun.console import new_console
 from bsrun.fsutil import atomic_write_json
@@ -39,6 +39,7 @@ def plain_args(model, mode, bandwidth, steps, warmup, batch, out) -> list[str]:
 
 def overhead(models, bandwidth, modes, steps, warmup, repeat, batch, console) -> list[dict]:
     rows = []
+    warmup = compared_warmup(modes, warmup)  # an adapting mode is timed (and recorded) after its first search
     with tempfile.TemporaryDirectory(prefix="bsrun-calibrate-") as scratch:
         cwd = Path(scratch)
         for model in models:

@@ -88,9 +88,10 @@ def compared_warmup(modes: list[str], warmup: int) -> int:
     """The warm-up every mode of one comparison gets: with an ADAPTING_MODE among them,
     SEARCH_STEPS more, so its timed steps start where its first search has settled (the
     bench compares steady states; the search's one-time cost is the adaptation's own
-    figure), and all the others' start at the same step: a run's step time drifts over its
-    first tens of steps (bsrun's at 0.5 Gbit/s lengthened 6-9% over thirty), so modes timed
-    at different steps are not comparable."""
+    figure), and all the others' start at the same step: a run's first steps can differ
+    from its later ones (ResNet-50's scheduled steps 3-8 at 0.5 Gbit/s were 6% shorter than
+    its later ones, BENCHMARKS.md twelfth pass), so modes timed at different steps are not
+    comparable."""
     return warmup + SEARCH_STEPS if any(m in ADAPTING_MODES for m in modes) else warmup
 
 
