@@ -139,3 +139,23 @@ def test_a_lasting_drift_starts_a_new_search_and_a_blip_does_not():
     decisions = [explorer.window_done([3.0] * 3, []) for _ in range(DRIFT_WINDOWS)]
     assert decisions[-1].why.startswith("drift") and decisions[-1].trace and explorer.searching
     assert all(d.why == "steady" for d in decisions[:-1])
+
+
+def test_a_search_cut_short_ends_at_its_incumbent_and_a_settled_run_keeps_its_point():
+    """`conclude` (a rank joined under Join: no window will end again): mid-search, back to
+    the starting point, however fast the candidate on trial looked; once settled, the kept
+    point stays (no switch); either way no more searching."""
+    explorer = Explorer(START, Fixed())
+    explorer.start()
+    explorer.window_done([1.0] * 3, [])                   # the start timed: the first candidate runs
+    assert explorer.current != START and explorer.searching
+    decision = explorer.conclude("a rank ran out of inputs")
+    assert decision.point == START and not explorer.searching and explorer.kept == START
+    assert decision.why == "keep: the incumbent, its search cut short; a rank ran out of inputs", decision.why
+
+    explorer = Explorer(START, Fixed())
+    search(explorer, lambda p: 0.5 if not p.proxy else 1.0, [])
+    kept = explorer.kept
+    decision = explorer.conclude("a rank ran out of inputs")
+    assert decision.point is None and explorer.current == kept == unscheduled_like()
+    assert decision.why.startswith("keep: the point kept;") and decision.median_s == 0.5 and not explorer.searching

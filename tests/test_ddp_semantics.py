@@ -13,7 +13,10 @@ comparison is never against a fallback to plain DDP.
 import pytest
 import torch
 
-from conftest import WORKERS, assert_same_state, assert_scheduled, last_run, run_bsrun
+from conftest import (WORKERS, adapt_of, assert_same_state, assert_same_switches, assert_scheduled, last_run,
+                      run_bsrun, show)
+
+from bsrun.sched.adaptive import WARMUP_STEPS, WINDOW
 
 SCHED = ["--partition", "4KiB", "--credit", "2x", "--timeout", "60"]
 PLAIN = ["--no-schedule", "--timeout", "60"]
@@ -32,10 +35,10 @@ def run(workdir, name, bsrun_args, script, args, timeout=240):
     return {r: torch.load(p) for r, p in saved.items()}, last_run(workdir)
 
 
-def plain_and_scheduled(workdir, script, args):
+def plain_and_scheduled(workdir, script, args, sched_args=SCHED):
     plain, plain_summary = run(workdir, "plain", PLAIN, script, args)
     assert {r.get("mode") for r in plain_summary["ranks"]} == {"off"}
-    sched, summary = run(workdir, "sched", SCHED, script, args)
+    sched, summary = run(workdir, "sched", sched_args, script, args)
     assert_scheduled(summary)
     for r in (0, 1):
         assert sched[r]["grad_is_none"] == plain[r]["grad_is_none"], \
@@ -96,6 +99,35 @@ def test_join_with_find_unused_parameters(workdir, batches):
     stays used: rank 1 gets zeros averaged into a created gradient and SGD's momentum keeps
     moving it. bsrun must do the same."""
     plain_and_scheduled(workdir, "semantics_join.py", ["--find-unused", "--batches", batches])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batches", ["24,13", "24,21"])
+def test_join_adapts_until_a_rank_runs_out_and_stays_exact(workdir, batches):
+    """Online adaptation under Join, in 4 KiB partitions (credit, order and proxy free): both
+    ranks switch at the same steps while both train (at step 6 to the first candidate);
+    in the first round after rank 1 ran out (step 14: in the search or just after it;
+    step 22: later) every rank records the same last decision ("keep", naming Join), runs
+    that point and stops adapting (off, why: Join); rank 1 shadows rank 0's remaining
+    rounds in that point's layout. Model, optimizer state, gradients and losses are plain
+    DDP's on both ranks."""
+    _, _, summary = plain_and_scheduled(workdir, "semantics_join.py", ["--batches", batches],
+                                        ["--partition", "4KiB", "--timeout", "60"])
+    switches = assert_same_switches(summary)
+    listing = show(switches)
+    joined_at = int(batches.split(",")[1]) + 1
+    first_window = [s for s in switches if s["step"] == WARMUP_STEPS + WINDOW]
+    assert first_window and first_window[0]["point"] != switches[0]["point"], \
+        f"no switch to a candidate at step {WARMUP_STEPS + WINDOW}:\n{listing}"
+    last = switches[-1]
+    assert last["step"] == joined_at and last["why"].startswith("keep") and "Join" in last["why"], \
+        f"no last decision at step {joined_at}, the first round after rank 1 ran out:\n{listing}"
+    for r in (0, 1):
+        adapt = adapt_of(summary, r)
+        assert adapt["state"] == "off" and adapt["why_off"].startswith("Join"), f"rank {r}: {adapt}"
+        assert adapt["point"] == last["point"], f"rank {r} runs {adapt['point']}, not the last decision's:\n{listing}"
+    rounds = {r["rank"]: r["rounds"] for r in summary["ranks"]}
+    assert rounds == {0: 24, 1: 24}, f"rank 1 should have shadowed rank 0's last rounds: {rounds}"
 
 
 @pytest.mark.slow

@@ -12,11 +12,17 @@ blocking broadcast after step() would make the faster rank wait there for the sl
 one's whole step (its updates included), where the dependency proxy lets it start its
 next forward.
 
+Under Join a rank that ran out of inputs stops stepping, so it could not take part in
+later agreements: in the first synchronising round with a rank joined every rank carries
+out the agreement posted a step before, if any, then one last decision of rank 0's (the
+point kept so far), and adaptation stops there (`at_join`). The ranks still training see
+the join in the announcement of that round's forward (bsrun/inject/join.py), the joined
+rank in its first shadowed round.
+
 Off (said in the run summary, with why): --no-adapt; a tuning trial or a profile, which
 measure the point as given, unless --adapt was given; PowerSGD (its state is per bucket;
 the other hooks bsrun runs are stateless and elementwise, so a new layout cannot change
-what they compute); a model under Join (a joined rank stops stepping, so it could not take
-part).
+what they compute).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class Adapter:
         self.transfers: list[tuple[int, float, float]] | None = None  # (bytes, post, finish) while fitting
         self._posts: dict[int, float] = {}
         self._agreeing = None  # a steady window's (decision, agreement), posted a step ago
+        self._joined = None    # under Join: has a rank joined, as of this round's forward
+        self.last_step = 0     # the number of the last counted step
 
     @staticmethod
     def _why_off(config) -> str | None:
@@ -136,8 +144,12 @@ class Adapter:
             return
         self.rounds_seen = self.runtime.rounds
         self.steps += 1
+        self.last_step = number
         if state.worker_rank() == 0:
             self.boundaries.append(time.perf_counter())
+        if self._joined is not None and self._joined():
+            self.at_join(number)
+            return
         if self._agreeing is not None:  # every rank posted it at the step before this one
             decision, agreement = self._agreeing
             self._agreeing = None
@@ -160,6 +172,25 @@ class Adapter:
         return self.explorer.window_done(times, self.transfers or [])
 
     # --- every rank ----------------------------------------------------------------------
+
+    def watch_join(self, joined) -> None:
+        """Under Join: `joined()` says, on a rank still training, whether a rank has joined
+        as of this round's forward."""
+        self._joined = joined
+
+    def at_join(self, number: int) -> None:
+        """The first synchronising round with a rank joined, on every rank after it (step
+        `number` of a rank still training, a joined rank's shadowed round): the agreement
+        posted a step ago carried out, then rank 0's last decision, then no more."""
+        if self.why_off is not None or self.explorer is None:
+            return
+        if self._agreeing is not None:
+            decision, agreement = self._agreeing
+            self._agreeing = None
+            self._carry_out(number, self._agreed(decision, agreement()))
+        decision = self.explorer.conclude("a rank ran out of inputs (Join)") if state.worker_rank() == 0 else None
+        self._carry_out(number, self._agreed(decision, self.runtime.transport.agree(self._values(decision))))
+        self.stop("Join: a rank ran out of inputs, so the ranks keep the point of that round on")
 
     def _values(self, decision: Decision | None) -> list[int]:
         """Rank 0's decision as the integers agreement sends (the other ranks' are ignored)."""

@@ -106,7 +106,7 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
                                    unused_group=(self._bsrun_transport.control_group
                                                  if a["find_unused_parameters"] or a["static_graph"] else None))
         self._join_config = _JoinConfig.construct_disabled_join_config()  # Joinable's; Join sets it
-        self._bsrun_sync_work = None  # under Join: the last "this forward synchronises" all-reduce
+        self._bsrun_announced: join.Announcement | None = None  # under Join: this forward's
         self.modules_buffers = list(module.buffers())
         if a["init_sync"]:
             broadcast_from(list(module.parameters()) + self.modules_buffers,
@@ -128,10 +128,9 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
             group = self._bsrun_transport.control_group
             self._broadcast_buffers(join.common_rank(group, True) if joining else 0)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if joining:
-            if self._bsrun_sync_work is not None:
-                self._bsrun_sync_work.wait()  # the last iteration's, long finished
-            self._bsrun_sync_work = join.announce_sync(self._bsrun_transport.control_group, sync)
+        if self._bsrun_announced is not None:
+            self._bsrun_announced.work.wait()  # the last iteration's, long finished
+        self._bsrun_announced = join.Announcement(self._bsrun_transport.control_group, sync) if joining else None
         self._bsrun.sync_backward = sync
         self.require_forward_param_sync = sync
 

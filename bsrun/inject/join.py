@@ -7,12 +7,16 @@ collectives; this one shadows bsrun's, in the order the other ranks issue them o
 model's control group:
 
   forward: the buffer broadcast (from the highest rank not joined, as DDP picks it under
-  Join: a MAX all-reduce of the candidates' ranks, then the broadcast), then the "does
-  this iteration synchronise" all-reduce (each rank that has not joined says whether its
-  forward will be followed by a synchronising backward);
+  Join: a MAX all-reduce of the candidates' ranks, then the broadcast), then the
+  announcement (a sum over the ranks: each rank that has not joined says whether its
+  forward will be followed by a synchronising backward, and that it is there);
   backward: one bsrun round with zeros for every gradient (`ModelRuntime.shadow_round`:
   the agreed partitions in the agreed order, negotiated or replayed as the others' round), and with
   find_unused_parameters=True the used map;
+  step: in the first synchronising round with a rank joined, online adaptation's last
+  agreements (`Adapter.at_join`): the others learn of the join from the announcement's
+  count, the joined rank from its first shadowed round, so every rank keeps the same point
+  from the same round on;
   post_hook: the model (parameters, and the buffers when DDP would broadcast them) from
   the highest rank among the last to join, as DDP's _sync_final_model.
 
@@ -43,16 +47,24 @@ def common_rank(group, candidate: bool) -> int:
     return int(rank.item())
 
 
-def announce_sync(group, sync: bool):
-    """A rank that has not joined: will this forward's backward synchronise (asynchronous)."""
-    return dist.all_reduce(torch.tensor([int(sync)], dtype=torch.int64), group=group, async_op=True)
+class Announcement:
+    """A rank that has not joined, each forward: [will its backward synchronise, 1], summed
+    over the ranks asynchronously; a joined rank adds zeros (`others_sync`)."""
+
+    def __init__(self, group, sync: bool):
+        self.sums = torch.tensor([int(sync), 1], dtype=torch.int64)
+        self.work = dist.all_reduce(self.sums, group=group, async_op=True)
+
+    def ranks_training(self) -> int:
+        self.work.wait()
+        return int(self.sums[1])
 
 
 def others_sync(group) -> bool:
     """A joined rank: does any other rank's backward synchronise in this iteration."""
-    flag = torch.zeros(1, dtype=torch.int64)
-    dist.all_reduce(flag, group=group)
-    return flag.item() != 0
+    sums = torch.zeros(2, dtype=torch.int64)
+    dist.all_reduce(sums, group=group)
+    return sums[0].item() != 0
 
 
 class ScheduledJoinHook(JoinHook):
@@ -61,7 +73,9 @@ class ScheduledJoinHook(JoinHook):
     def __init__(self, model):
         self.model = model
         runtime = model._bsrun
-        runtime.adapter.stop("Join: a rank that ran out of inputs stops stepping")
+        group = model._bsrun_transport.control_group
+        runtime.adapter.watch_join(lambda: model._bsrun_announced is not None
+                                   and model._bsrun_announced.ranks_training() < dist.get_world_size(group))
         if runtime.replicas.every:
             state.say_once("the replica check (--check-every) is off for a model trained under Join: "
                            "its ranks step different numbers of times")
@@ -79,6 +93,8 @@ class ScheduledJoinHook(JoinHook):
         model._bsrun.shadow_round()
         if model._bsrun.unused is not None:
             model._bsrun.unused.shadow()
+        adapter = model._bsrun.adapter
+        adapter.at_join(adapter.last_step + 1)  # the others' step number for this round
 
     def post_hook(self, is_last_joiner: bool) -> None:
         model = self.model

@@ -177,6 +177,14 @@ class Explorer:
         return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
                               f"re-timing it and searching again", median, trace=True)
 
+    def conclude(self, why: str) -> Decision:
+        """No window will end again (`why`): the kept point from here on; a search under
+        way ends at its incumbent, since no challenger was confirmed."""
+        searching = self.searching
+        self.searching, self.queue, self.confirming, self.retiming = False, [], None, None
+        what = "the incumbent, its search cut short" if searching else "the point kept"
+        return self._switch(self.kept, f"keep: {what}; {why}", self.kept_median)
+
     def _search(self, median: float | None, transfers) -> Decision:
         window, self.windows = self.windows, self.windows + 1
         if self.retiming is not None:
