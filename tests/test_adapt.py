@@ -73,8 +73,9 @@ def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdi
     or reordered an update. The summary shows both ranks scheduled, at least 3 switches
     identical on both ranks (same steps, same points), every tried candidate given a whole
     window of steps, a switch to the DDP-like point (25 MiB, fifo, unlimited credit,
-    synchronised at step(): proxy False), and the search ended settled on the point of its
-    "keep", one it tried. (Knobs given by flag stay fixed in every candidate, so this run
+    synchronised at step(): proxy False), which on all-reduce runs on DDP's own reducer
+    for a whole window (on parameter servers on bsrun's rounds), and the search ended
+    settled on the point of its "keep", one it tried. (Knobs given by flag stay fixed in every candidate, so this run
     gives none but --timeout.)"""
     plain, plain_summary = train(workdir, "plain", ["--no-schedule", *TIMEOUT], opt)
     assert {r.get("mode") for r in plain_summary["ranks"]} == {"off"}
@@ -99,6 +100,12 @@ def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdi
     assert any(p["partition"] == DDP_LIKE_PARTITION and p["order"] == "fifo"
                and p["credit_bytes"] >= UNLIMITED_CREDIT for p in ddp_like), \
         f"no proxy-False point is DDP's (25 MiB, fifo, unlimited credit):\n{listing}"
+    on_reducer = {s["ddp_reducer"] for s in switches if s["why"].startswith("explore") and not s["point"]["proxy"]}
+    assert on_reducer == ({False} if arch else {True}), \
+        f"the DDP-like point should run on {'bsrun' if arch else 'DDP'}'s own rounds:\n{listing}"
+    for r in (0, 1):
+        ddp_rounds = summary["ranks"][r]["ddp_rounds"]
+        assert ddp_rounds == 0 if arch else ddp_rounds >= WINDOW, f"rank {r}: {ddp_rounds} rounds on DDP's reducer"
     keeps = [s for s in switches if s["why"].startswith("keep")]
     assert keeps, f"exploration never kept a point:\n{listing}"
     assert keeps[-1]["point"] in tried, f"the kept point is not one of the candidates tried:\n{listing}"

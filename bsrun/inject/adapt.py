@@ -113,7 +113,10 @@ class Adapter:
             return None
         if learned is not None and learned.order not in ("fifo", self.runtime.configured_order_name):
             learned = replace(learned, order=self.runtime.configured_order_name)
-        return fixed.apply(learned) if learned is not None else None
+        learned = fixed.apply(learned) if learned is not None else None
+        if learned is not None and self.runtime.can_run_on_ddp(learned):
+            return None  # DDP's reducer cannot take over a backward pass under way: a candidate instead
+        return learned
 
     def point(self) -> Point:
         rt = self.runtime
@@ -219,11 +222,12 @@ class Adapter:
             self.runtime.reconfigure(point)
             self.switched_at = self.steps
         if kind != "steady":
-            self.switches.append({"step": number, "point": point.as_dict(),
-                                  "why": why,
-                                  "median_s": median})
+            on_ddp = self.runtime.on_ddp
+            self.switches.append({"step": number, "point": point.as_dict(), "ddp_reducer": on_ddp,
+                                  "why": why, "median_s": median})
+            where = " on DDP's own reducer" if on_ddp else ""
             line = f"adapt at step {number}: {'switch to' if kind == 'switch' else 'at'} " \
-                   f"{describe_point(point.as_dict())} ({why})"
+                   f"{describe_point(point.as_dict())}{where} ({why})"
             state.debug(line)
             if state.recorder is not None and state.worker_rank() == 0:  # a profile's trace shows them too
                 state.recorder.meta(NOTE, text=line)

@@ -31,6 +31,7 @@ from bsrun.inject import state
 
 _DEPTH = [0]  # compiled calls running on the training thread, nested
 _EAGER: list[tuple[object, str]] = []  # (owner, attribute): bsrun entry points dynamo must not trace
+_COMPILED = [False]  # torch.compile was called
 
 
 def tracing() -> bool:
@@ -40,6 +41,11 @@ def tracing() -> bool:
 
 def inside_compiled_call() -> bool:
     return _DEPTH[0] > 0
+
+
+def used() -> bool:
+    """torch.compile was called in this process."""
+    return _COMPILED[0]
 
 
 def keep_eager(owner, attribute: str) -> None:
@@ -74,6 +80,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def compile(model=None, *args, **kwargs):
+        _COMPILED[0] = True
         _disable_tracing_of_bsrun()
         result = original(model, *args, **kwargs)
         if model is None:  # used as @torch.compile(...): its decorator calls this again

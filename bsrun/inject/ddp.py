@@ -111,11 +111,46 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         if a["init_sync"]:
             broadcast_from(list(module.parameters()) + self.modules_buffers,
                                  self._bsrun_transport.control_group)
+        self._bsrun.ddp_reducer = self._why_not_on_ddp
+        self._bsrun_joins = False  # Join was entered: the joined ranks shadow bsrun's rounds only
         state.set_mode("scheduled")
 
     def forward(self, *inputs, **kwargs):
+        if self._bsrun.on_ddp:
+            return self._ddp_forward(*inputs, **kwargs)
         self._pre_forward()
         return self.module(*inputs, **kwargs)
+
+    def _why_not_on_ddp(self) -> str | None:
+        """Why adaptation's unscheduled-like point cannot run on DDP's own reducer now, or None."""
+        args, kwargs = self._bsrun_arguments
+        a = _SIGNATURE.bind(self, *args, **kwargs).arguments
+        if self._bsrun.unused is not None or a.get("gradient_as_bucket_view"):
+            return "find_unused_parameters, static_graph or gradient_as_bucket_view"
+        if isinstance(self._bsrun_transport, PSTransport) or self._bsrun_transport.reduce is not None:
+            return "a comm hook or parameter servers"
+        if self._bsrun_joins:
+            return "Join"
+        if compiled.used():
+            return "torch.compile"
+        return None
+
+    def _ddp_forward(self, *inputs, **kwargs):
+        """A forward at the unscheduled-like point: through a genuine DDP around the same
+        module (built at its first use, kept out of this module's children and state_dict),
+        whose reducer averages the gradients by the backward's end."""
+        ddp = self.__dict__.get("_bsrun_ddp")
+        if ddp is None:
+            args, kwargs_ = self._bsrun_arguments
+            bound = _SIGNATURE.bind(None, *args, **kwargs_)
+            bound.apply_defaults()
+            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+            arguments["init_sync"] = False  # the replicas are equal: bsrun's rounds kept them so
+            ddp = self.__dict__["_bsrun_ddp"] = DistributedDataParallel(**arguments)
+        ddp.require_backward_grad_sync = self.require_backward_grad_sync
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._bsrun.count_ddp_round()
+        return ddp(*inputs, **kwargs)
 
     def _pre_forward(self) -> None:
         """DDP's buffer broadcast and the sync decision of this forward (eager under compile);
@@ -152,6 +187,9 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         if not kwargs.get("divide_by_initial_world_size", True):  # bsrun's rounds divide by the world size
             self._bsrun_become_plain("join(divide_by_initial_world_size=False)")
             return self.join_hook(**kwargs)
+        self._bsrun_joins = True
+        if self._bsrun.on_ddp:  # every rank, entering Join: back to bsrun's rounds, which it shadows
+            self._bsrun.reconfigure(self._bsrun.adapter.point())
         return join.ScheduledJoinHook(self)
 
     @property
@@ -209,3 +247,4 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
 
 
 compiled.keep_eager(ScheduledDDP, "_pre_forward")
+compiled.keep_eager(ScheduledDDP, "_ddp_forward")

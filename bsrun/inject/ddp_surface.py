@@ -150,7 +150,7 @@ class DDPSurface:
             "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
             "bucket_sizes": ", ".join(str(p.nbytes) for p in parts),
             "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.module.modules())),
-            "iteration": runtime.counters()["rounds"],
+            "iteration": runtime.rounds,
             "master_addr": os.environ.get("MASTER_ADDR", "N/A"),
             "master_port": os.environ.get("MASTER_PORT", "N/A"),
             "bsrun": "scheduled", "bsrun_partition_bytes": runtime.partition_bytes,

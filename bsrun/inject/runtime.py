@@ -13,6 +13,9 @@ The life of a parameter in one round:
   next forward: the pre-hook of each module that owns it waits for exactly its own
   parameters, applies their pending update (and a deferred zero_grad), then the
   module runs. That is ByteScheduler's dependency proxy. A settled parameter is released.
+Adaptation's unscheduled-like point runs on DDP's own reducer where the model lends one
+(`ddp_reducer`, ScheduledDDP's): bsrun's hooks are off and each forward goes through a
+genuine DDP around the same module, so that point costs what the unscheduled run costs.
 DDP's find_unused_parameters=True: bsrun/inject/unused.py; Join: bsrun/inject/join.py.
 """
 
@@ -30,6 +33,7 @@ from bsrun.inject.order import DependencyCounter, transfer_order
 from bsrun.inject.replicas import ReplicaCheck
 from bsrun.inject.unused import UnusedParameters
 from bsrun.inject.updates import Updates
+from bsrun.sched.adaptive import unscheduled_like
 from bsrun.sched.core import Scheduler, Transport
 from bsrun.sched.partition import TensorInfo, plan_partitions
 from bsrun.sched.row_sparse import embedding_tables
@@ -97,6 +101,10 @@ class ModelRuntime(Updates):
         self.configured_order: list[int] = []   # agreed at the first synchronising backward
         self.fifo_order: list[int] = []
         self.proxy = True                       # per-layer waits; False: step() waits for all
+        self.ddp_reducer = None  # ScheduledDDP's: why DDP's own reducer cannot run the unscheduled-like point now
+        self.on_ddp = False      # it does: bsrun's hooks are off, DDP's reducer averages
+        self.ddp_rounds = 0
+        self._modules = modules
         self.adapter = Adapter(self)
         self._seen_this_backward: set[int] = set()
         self._backward_end = BackwardEnd(self._end_of_backward)
@@ -122,6 +130,11 @@ class ModelRuntime(Updates):
                         lambda _m, _inputs, output, owned=owned: self._note_output(owned, output)))
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @property
     def partitions(self):
@@ -260,13 +273,31 @@ class ModelRuntime(Updates):
     @trap.internal
     def reconfigure(self, point) -> None:
         """Every rank after the same step (bsrun/inject/adapt.py): this round finished and
-        every pending update applied, then the partitions laid out anew for `point`."""
+        every pending update applied, then the partitions laid out anew for `point`, or
+        for the unscheduled-like point DDP's own reducer where it can run it."""
         self.flush()
-        self.scheduler.close()
-        self.retired_stats.update(self.scheduler.stats)
+        if self.scheduler is not None:
+            self.scheduler.close()
+            self.retired_stats.update(self.scheduler.stats)
+            self.scheduler = None
         self.partition_bytes, self.credit_bytes, self.proxy = point.partition, point.credit_bytes, point.proxy
         self.order_name = point.order
-        self._lay_out(self._order_named(point.order))
+        on_ddp = self.can_run_on_ddp(point)
+        if on_ddp:
+            self._remove_hooks()
+        else:
+            if self.on_ddp:
+                self._register_hooks(self._modules)
+            self._lay_out(self._order_named(point.order))
+        self.on_ddp = on_ddp
+
+    def can_run_on_ddp(self, point) -> bool:
+        return point == unscheduled_like() and self.ddp_reducer is not None and self.ddp_reducer() is None
+
+    def count_ddp_round(self) -> None:
+        """A synchronising forward on DDP's reducer: its backward is a round (`rounds`)."""
+        self.rounds += 1
+        self.ddp_rounds += 1
 
     def _order_named(self, name: str) -> list[int]:
         return self.fifo_order if name == "fifo" else self.configured_order
@@ -300,14 +331,12 @@ class ModelRuntime(Updates):
         return {"tasks": sum(self.done), "partitions": stats.get("partitions", 0),
                 "bytes": stats.get("bytes", 0), "rounds": stats.get("rounds", 0),
                 "negotiations": stats.get("negotiations", 0), "replayed_rounds": stats.get("replayed_rounds", 0),
-                "checks": self.replicas.checks}
+                "ddp_rounds": self.ddp_rounds, "checks": self.replicas.checks}
 
     def close(self) -> None:
         """Stop the scheduler's threads and take the hooks off the model."""
         if self.scheduler is not None:
             self.scheduler.close(timeout=0 if self.error else 5.0)  # a failed one may be stuck in gloo
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []  # its counters stay in state.MODELS for the run report
+        self._remove_hooks()  # its counters stay in state.MODELS for the run report
         for param in self.params:
             trap.release(param)

@@ -168,7 +168,7 @@ def step_finished(number: int) -> None:
 def counters() -> dict:
     """This rank's part of the run summary: its models' counters, mode, steps and notes."""
     stats = {"tasks": 0, "partitions": 0, "bytes": 0, "rounds": 0, "negotiations": 0, "replayed_rounds": 0,
-             "checks": 0}
+             "ddp_rounds": 0, "checks": 0}
     for model in list(MODELS):
         for key, value in model.counters().items():
             stats[key] += value

@@ -91,6 +91,9 @@ class Updates:
         A closure of an elementwise optimizer runs first, as torch's optimizers run it, outside
         bsrun's `internal` (the script's reads stay trapped): its forward settles layer by
         layer, its backward is scheduled, and step() returns its loss."""
+        if self.on_ddp:  # DDP's reducer averaged every gradient by the backward's end
+            self._before_update(optimizer, number)
+            return optim.full_step(optimizer, closure)
         if not self.proxy:  # adaptation's unscheduled-like point: wait here, as DDP at its backward's end
             self.flush()
         reason = self._why_at_once(optimizer)
