@@ -159,3 +159,26 @@ def test_a_search_cut_short_ends_at_its_incumbent_and_a_settled_run_keeps_its_po
     decision = explorer.conclude("a rank ran out of inputs")
     assert decision.point is None and explorer.current == kept == unscheduled_like()
     assert decision.why.startswith("keep: the point kept;") and decision.median_s == 0.5 and not explorer.searching
+
+
+def test_where_the_unscheduled_like_point_is_plain_ddp_it_is_the_one_to_beat():
+    """fallback_first (a DDP model runs that point on DDP's own reducer): points within
+    KEEP_MARGIN of it keep plain DDP, where without the flag the starting point stays; a
+    point clearly faster than plain DDP is still kept, after its second window and plain
+    DDP's re-timing."""
+    transfers = link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20])
+    alike = lambda p: 1.0 - KEEP_MARGIN / 2 if p.proxy and p != START else 1.0  # noqa: E731
+    assert Explorer(START, Fixed()).kept == START
+    explorer = Explorer(START, Fixed())
+    search(explorer, alike, transfers)
+    assert explorer.kept == START
+    explorer = Explorer(START, Fixed(), fallback_first=True)
+    decisions = search(explorer, alike, transfers)
+    assert explorer.kept == unscheduled_like() and decisions[-1].why.startswith("keep"), decisions[-1]
+    assert not any(d.why.startswith("explore: confirming") for d in decisions)
+
+    explorer = Explorer(START, Fixed(), fallback_first=True)
+    decisions = search(explorer, lambda p: 0.5 if p == START else 1.0, transfers)
+    assert explorer.kept == START and "confirmed" in decisions[-1].why, decisions[-1]
+    assert any(d.why.startswith("explore: re-timing the incumbent") and d.point == unscheduled_like()
+               for d in decisions), [d.why for d in decisions]

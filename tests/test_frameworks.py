@@ -88,18 +88,18 @@ def reference(workdir, command, out, timeout):
     return torch.load(out)
 
 
-def scheduled(workdir, command, out, timeout):
+def scheduled(workdir, command, out, timeout, sched_args=SCHED):
     """`bsrun SCHED command`; rank 0's saved state and the run summary."""
-    proc = run_bsrun([*SCHED, *command, "--out", out], cwd=workdir, env=env(), timeout=timeout)
+    proc = run_bsrun([*sched_args, *command, "--out", out], cwd=workdir, env=env(), timeout=timeout)
     assert proc.returncode == 0, f"bsrun ... exited {proc.returncode}\n{tail(proc)}"
     assert out.exists(), f"the bsrun run saved nothing\n{tail(proc)}"
     return torch.load(out), last_run(workdir), proc
 
 
-def same_as_without_bsrun(workdir, command, timeout=180, per_run=None):
+def same_as_without_bsrun(workdir, command, timeout=180, per_run=None, sched_args=SCHED):
     """command(port) -> argv; runs the reference, then bsrun; compares; returns bsrun's proc."""
     plain = reference(workdir, command(free_port()), workdir / "plain.pt", timeout)
-    sched, run, proc = scheduled(workdir, command(free_port()), workdir / "sched.pt", timeout)
+    sched, run, proc = scheduled(workdir, command(free_port()), workdir / "sched.pt", timeout, sched_args)
     assert_scheduled(run, context=tail(proc))
     try:
         assert_same_state(sched, plain)
@@ -174,6 +174,21 @@ def test_lightning_ddp_strategy(workdir, case):
     else:
         command = torchrun("fw_lightning.py", *args)
     same_as_without_bsrun(workdir, command)
+
+
+@pytest.mark.slow
+def test_lightning_adapts_through_ddps_own_reducer(workdir):
+    """The automatic-optimisation Lightning script under torchrun for 16 steps with every
+    knob bsrun's default, so adaptation's search reaches the unscheduled-like point, which
+    runs on DDP's own reducer (optimizer.step(closure): the closure's forward through the
+    genuine DDP, the optimizer's own step) for at least a whole window: the same
+    parameters as without bsrun, and the summary shows the switch and the DDP rounds."""
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install -e .[test])")
+    same_as_without_bsrun(workdir, torchrun("fw_lightning.py", "--steps", 16), sched_args=["--timeout", "60"])
+    run = last_run(workdir)
+    switches = run["ranks"][0]["adapt"]["switches"]
+    assert any(s["ddp_reducer"] for s in switches), f"no switch ran on DDP's reducer: {switches}"
+    assert all(r["ddp_rounds"] >= 4 for r in run["ranks"]), [r["ddp_rounds"] for r in run["ranks"]]
 
 
 # --- 8. bsrun profile of a Lightning script ---------------------------------------------------------------

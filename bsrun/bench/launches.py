@@ -134,7 +134,8 @@ def _kept_point(run: dict | None) -> str | None:
     adapt = decider_adaptation(run)
     if not adapt or adapt.get("state") == "off":
         return None
-    return f"{describe_point(adapt['point'])} ({adapt['state']})"
+    where = " on DDP's own reducer" if adapt.get("ddp_reducer") else ""
+    return f"{describe_point(adapt['point'])}{where} ({adapt['state']})"
 
 
 def _late_decisions(run: dict | None, warmup: int) -> list[str]:

@@ -33,7 +33,8 @@ from dataclasses import replace
 
 from bsrun.config import ADAPT_START_ENV, PROFILE_DIR_ENV, TRIAL_OUT_ENV, worker_setting
 from bsrun.inject import state
-from bsrun.sched.adaptive import WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, describe_point
+from bsrun.sched.adaptive import (WARMUP_STEPS, WINDOW, Decision, Explorer, Fixed, Point, describe_point,
+                                  unscheduled_like)
 from bsrun.trace_events import NOTE
 
 _ORDERS = ("configured", "fifo")  # a point's order on the wire: the agreed configured order, or fifo
@@ -98,7 +99,8 @@ class Adapter:
             rt.partition_bytes, rt.credit_bytes, rt.order_name, rt.proxy = (
                 start.partition, start.credit_bytes, start.order, start.proxy)
         self.explorer = Explorer(self.point(), fixed, others=[configured],
-                                 model_bytes=sum(p.nbytes for p in rt.params))
+                                 model_bytes=sum(p.nbytes for p in rt.params),
+                                 fallback_first=rt.can_run_on_ddp(fixed.apply(unscheduled_like())))
         self.next_decision = WARMUP_STEPS
         state.STEP_LISTENERS.append(self.on_step)
 
@@ -237,7 +239,6 @@ class Adapter:
         self.next_decision = self.steps + WINDOW
 
     def report(self) -> dict:
-        if self.why_off is not None:
-            return {"state": "off", "why_off": self.why_off, "point": self.point().as_dict(), "switches": self.switches}
-        return {"state": "exploring" if self.searching else "settled", "why_off": None,
-                "point": self.point().as_dict(), "switches": self.switches}
+        status = "off" if self.why_off is not None else "exploring" if self.searching else "settled"
+        return {"state": status, "why_off": self.why_off, "point": self.point().as_dict(),
+                "ddp_reducer": self.runtime.on_ddp, "switches": self.switches}

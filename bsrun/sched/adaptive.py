@@ -28,6 +28,10 @@ windows beat the incumbent as interpolated at those same windows by KEEP_MARGIN.
 every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
 row off by more than DRIFT (the network or the load changed) start the search again,
 re-fitted on the windows after the change.
+Where the unscheduled-like point is plain DDP itself (`fallback_first`: a DDP model runs it
+on DDP's own reducer), it takes the incumbent's place once timed: the others must beat
+plain DDP, by the same rules, to be kept, so a run whose windows cannot tell the points
+apart keeps what it costs without bsrun.
 """
 
 from __future__ import annotations
@@ -139,11 +143,14 @@ class Explorer:
     """Rank 0's search. `window_done(step_times, transfers)` at every window's end;
     transfers: (bytes, posted s, finished s) of the partitions, while a fit wants them."""
 
-    def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = (), model_bytes: int = 0):
+    def __init__(self, incumbent: Point, fixed: Fixed, others: Sequence[Point] = (), model_bytes: int = 0,
+                 fallback_first: bool = False):
         """`others`: points tried in every search besides the fitted and unscheduled-like
         ones (the configured point, when a learned one is the incumbent); `model_bytes`:
-        the gradient bytes of one step."""
+        the gradient bytes of one step; `fallback_first`: the unscheduled-like point is the
+        one to beat (see the module)."""
         self.fixed = fixed
+        self.fallback_first = fallback_first
         self.model_bytes = model_bytes
         self.others = list(others)
         self.current = incumbent
@@ -220,6 +227,9 @@ class Explorer:
 
     def _keep(self, median: float | None) -> Decision:
         """The fastest point; one that would replace the incumbent is first confirmed."""
+        fallback = self.fixed.apply(unscheduled_like())
+        if self.fallback_first and fallback in self.timed:
+            self.kept = fallback  # plain DDP itself: the one to beat
         incumbent = self.kept
         medians = {point: timing.median for point, timing in self.timed.items()}
         best = min(medians, key=medians.get)
