@@ -177,6 +177,10 @@ def test_where_the_unscheduled_like_point_is_plain_ddp_it_is_the_one_to_beat():
     assert explorer.kept == unscheduled_like() and decisions[-1].why.startswith("keep"), decisions[-1]
     assert not any(d.why.startswith("explore: confirming") for d in decisions)
 
+    # a drift of plain DDP: the new search starts on the starting point, whose transfers a fit needs
+    drift = [explorer.window_done([3.0] * 3, []) for _ in range(DRIFT_WINDOWS)][-1]
+    assert drift.why.startswith("drift") and drift.point == START and drift.trace and explorer.searching
+
     explorer = Explorer(START, Fixed(), fallback_first=True)
     decisions = search(explorer, lambda p: 0.5 if p == START else 1.0, transfers)
     assert explorer.kept == START and "confirmed" in decisions[-1].why, decisions[-1]

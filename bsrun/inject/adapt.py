@@ -115,10 +115,7 @@ class Adapter:
             return None
         if learned is not None and learned.order not in ("fifo", self.runtime.configured_order_name):
             learned = replace(learned, order=self.runtime.configured_order_name)
-        learned = fixed.apply(learned) if learned is not None else None
-        if learned is not None and self.runtime.can_run_on_ddp(learned):
-            return None  # DDP's reducer cannot take over a backward pass under way: a candidate instead
-        return learned
+        return fixed.apply(learned) if learned is not None else None
 
     def point(self) -> Point:
         rt = self.runtime
@@ -220,7 +217,8 @@ class Adapter:
 
     def _carry_out(self, number: int, agreed) -> None:
         kind, point, trace, why, median = agreed
-        if kind == "switch":
+        rt = self.runtime
+        if kind == "switch" or (rt.can_run_on_ddp(point) and not rt.on_ddp):  # a start there: bsrun's rounds
             self.runtime.reconfigure(point)
             self.switched_at = self.steps
         if kind != "steady":

@@ -153,6 +153,7 @@ class Explorer:
         self.fallback_first = fallback_first
         self.model_bytes = model_bytes
         self.others = list(others)
+        self.start_point = incumbent
         self.current = incumbent
         self.kept: Point = incumbent
         self.kept_median: float | None = None
@@ -181,8 +182,12 @@ class Explorer:
         self.drifting = 0
         self.searching, self.timed, self.windows = True, {}, 0
         self.queue, self.confirming, self.retiming = [], None, None
-        return Decision(None, f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
-                              f"re-timing it and searching again", median, trace=True)
+        why = f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
+        if self.fallback_first and self.kept == self.fixed.apply(unscheduled_like()):
+            # plain DDP's transfers are not bsrun's to see: the new fit needs a point of bsrun's
+            return self._switch(self.start_point, why + "searching again from the starting point, "
+                                                        "whose transfers the fit needs", median, trace=True)
+        return Decision(None, why + "re-timing it and searching again", median, trace=True)
 
     def conclude(self, why: str) -> Decision:
         """No window will end again (`why`): the kept point from here on; a search under
@@ -273,12 +278,12 @@ class Explorer:
                                        f"at the windows where {self._name(challenger)} took {ours:.4g} s",
                             first if median is None else median)
 
-    def _switch(self, point: Point, why: str, median: float | None) -> Decision:
+    def _switch(self, point: Point, why: str, median: float | None, trace: bool = False) -> Decision:
         """Run `point` next (no switch when it runs already)."""
         if point == self.current:
-            return Decision(None, why, median)
+            return Decision(None, why, median, trace)
         self.current = point
-        return Decision(point, why, median)
+        return Decision(point, why, median, trace)
 
     def _settle(self, point: Point, why: str, median: float) -> Decision:
         self.searching, self.kept, self.kept_median = False, point, median
