@@ -153,9 +153,7 @@ class Adapter:
             self.at_join(number)
             return
         if self._agreeing is not None:  # every rank posted it at the step before this one
-            decision, agreement = self._agreeing
-            self._agreeing = None
-            self._carry_out(number, self._agreed(decision, agreement()))
+            self._carry_out_posted(number)
             return
         if self.steps < self.next_decision:
             return
@@ -187,12 +185,16 @@ class Adapter:
         if self.why_off is not None or self.explorer is None:
             return
         if self._agreeing is not None:
-            decision, agreement = self._agreeing
-            self._agreeing = None
-            self._carry_out(number, self._agreed(decision, agreement()))
+            self._carry_out_posted(number)
         decision = self.explorer.conclude("a rank ran out of inputs (Join)") if state.worker_rank() == 0 else None
         self._carry_out(number, self._agreed(decision, self.runtime.transport.agree(self._values(decision))))
         self.stop("Join: a rank ran out of inputs, so the ranks keep the point of that round on")
+
+    def _carry_out_posted(self, number: int) -> None:
+        """The agreement every rank posted a step before (`agree_later`), taken and carried out."""
+        decision, agreement = self._agreeing
+        self._agreeing = None
+        self._carry_out(number, self._agreed(decision, agreement()))
 
     def _values(self, decision: Decision | None) -> list[int]:
         """Rank 0's decision as the integers agreement sends (the other ranks' are ignored)."""
@@ -218,11 +220,12 @@ class Adapter:
     def _carry_out(self, number: int, agreed) -> None:
         kind, point, trace, why, median = agreed
         rt = self.runtime
-        if kind == "switch" or (rt.can_run_on_ddp(point) and not rt.on_ddp):  # a start there: bsrun's rounds
-            self.runtime.reconfigure(point)
+        # a learned start at plain DDP's point ran bsrun's rounds (DDP cannot take over a backward under way)
+        if kind == "switch" or (rt.can_run_on_ddp(point) and not rt.on_ddp):
+            rt.reconfigure(point)
             self.switched_at = self.steps
         if kind != "steady":
-            on_ddp = self.runtime.on_ddp
+            on_ddp = rt.on_ddp
             self.switches.append({"step": number, "point": point.as_dict(), "ddp_reducer": on_ddp,
                                   "why": why, "median_s": median})
             where = " on DDP's own reducer" if on_ddp else ""

@@ -111,6 +111,8 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         if a["init_sync"]:
             broadcast_from(list(module.parameters()) + self.modules_buffers,
                                  self._bsrun_transport.control_group)
+        self._bsrun_ddp_arguments = {**{k: v for k, v in a.items() if k != "self"},
+                                     "init_sync": False}  # the replicas are equal: bsrun's rounds keep them so
         self._bsrun.ddp_reducer = self._why_not_on_ddp
         self._bsrun_joins = False  # Join was entered: the joined ranks shadow bsrun's rounds only
         state.set_mode("scheduled")
@@ -123,9 +125,7 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
 
     def _why_not_on_ddp(self) -> str | None:
         """Why adaptation's unscheduled-like point cannot run on DDP's own reducer now, or None."""
-        args, kwargs = self._bsrun_arguments
-        a = _SIGNATURE.bind(self, *args, **kwargs).arguments
-        if self._bsrun.unused is not None or a.get("gradient_as_bucket_view"):
+        if self._bsrun.unused is not None or self._bsrun_ddp_arguments["gradient_as_bucket_view"]:
             return "find_unused_parameters, static_graph or gradient_as_bucket_view"
         if isinstance(self._bsrun_transport, PSTransport) or self._bsrun_transport.reduce is not None:
             return "a comm hook or parameter servers"
@@ -141,12 +141,7 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         whose reducer averages the gradients by the backward's end."""
         ddp = self.__dict__.get("_bsrun_ddp")
         if ddp is None:
-            args, kwargs_ = self._bsrun_arguments
-            bound = _SIGNATURE.bind(None, *args, **kwargs_)
-            bound.apply_defaults()
-            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
-            arguments["init_sync"] = False  # the replicas are equal: bsrun's rounds kept them so
-            ddp = self.__dict__["_bsrun_ddp"] = DistributedDataParallel(**arguments)
+            ddp = self.__dict__["_bsrun_ddp"] = DistributedDataParallel(**self._bsrun_ddp_arguments)
         ddp.require_backward_grad_sync = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._bsrun.count_ddp_round()
