@@ -21,14 +21,14 @@ import torch
 from conftest import WORKERS, assert_same_state, assert_scheduled, last_run, run_bsrun
 
 from bsrun.config import LEARNED_KEY
-from bsrun.sched.adaptive import SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_point
+from bsrun.sched.adaptive import DUEL_WINDOWS, SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_point
 
 # Long enough for a search from a learned point to reach every candidate it queues (the
 # incumbent at step WARMUP_STEPS, then up to three candidates a window each: switches at 6,
-# 10 and 14), to confirm a winner on a second window (18), to time the incumbent again (22)
-# and to keep one (by step SEARCH_STEPS, 26).
+# 10 and 14), to duel a winner for DUEL_WINDOWS windows and to keep one (by step
+# SEARCH_STEPS, 42).
 STEPS = SEARCH_STEPS
-assert STEPS == WARMUP_STEPS + 6 * WINDOW
+assert STEPS == WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
 LEARNED_LINE = "bsrun: adapting from the point the last run kept ("
 START_WHY = "explore: timing the starting point"
 USER_PARTITION = 3_000_000  # "3MB": never a point adaptation picks (powers of two, 4 MiB, 25 MiB)
@@ -85,7 +85,7 @@ def start_point(summary: dict, context: str) -> dict:
 
 @pytest.mark.slow
 def test_the_point_a_run_kept_is_where_the_next_launch_of_the_job_starts(workdir):
-    """Five launches of one job (`adapt_train.py --opt sgd`, 22 steps of a 12.6 MB MLP), in one folder.
+    """Five launches of one job (`adapt_train.py --opt sgd`, 42 steps of a 12.6 MB MLP), in one folder.
 
     1. With default knobs: the run settles, and tuned.json's "adapted" point is exactly
        the point rank 0's summary says it kept (its "decisions": rank 0's switch count).

@@ -76,7 +76,7 @@ def test_every_mode_on_loopback(tmp_path):
         assert by_mode[scheduled]["launched_as"] == ["scheduled"]
     for plain in ("ddp", "horovod", "bound", "overlap"):
         assert by_mode[plain]["launched_as"] == ["off"]
-    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more, enough for four points)
+    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more: the whole search's budget)
     for adapting in ("bsrun", "bsrun-horovod"):
         assert by_mode[adapting]["late_decisions"] == [[]] and len(by_mode[adapting]["kept_points"]) == 1
     assert by_mode["bsrun-horovod-fixed"]["kept_points"] == []  # --no-adapt

@@ -17,17 +17,22 @@ waits for everything (as plain DDP does at the end of backward). The candidates:
 - the unscheduled-like point: DDP's 25 MiB buckets, fifo order, unlimited credit, no
   per-layer wait, so that bsrun can always fall back to what plain DDP does.
 Each is timed for one window (its first step, which pays the switch, is not timed); the
-decision after the incumbent's window says the fitted link (a, B) in its why; the
-fastest median wins, and the incumbent is left only for a point KEEP_MARGIN faster, twice:
-the winner runs a second window and must beat the incumbent's median again (steps vary by
-10-25% here, and one lucky window once kept a point that then ran 22-32% slower); then the
-incumbent is timed once more (A/B/A). Its first window comes right after the warm-up, so a
-run that still speeds up (or slows down) as it goes favoured whatever was timed later; the
-incumbent's first and last windows give that trend, and the winner is kept only if its two
-windows beat the incumbent as interpolated at those same windows by KEEP_MARGIN. Then,
-every window, the step time is compared with the kept point's; DRIFT_WINDOWS windows in a
-row off by more than DRIFT (the network or the load changed) start the search again,
-re-fitted on the windows after the change.
+decision after the incumbent's window says the fitted link (a, B) in its why. Steps vary
+by 10-25% here, and a window's median by 4-10% (BENCHMARKS.md, fourteenth pass): a gain
+of a few percent does not show in one window, and one lucky window once kept a point
+that then ran 22-32% slower. So the fastest other point, if its window beat the
+incumbent's, duels it: the two run windows in turn, and each of the challenger's windows
+is compared with the incumbent as interpolated between its windows before and after (the
+run may still speed up or slow down as it goes: a point timed later would gain by that
+alone). After each of the incumbent's windows, the mean paired gain and its one-sided
+95% margin (CONFIDENCE_Z standard errors; a pair's spread as measured, and at least what
+the steps' own spread inside the windows gives): the challenger is kept when it is
+KEEP_MARGIN faster beyond the margin over MIN_PAIRS pairs or more; the incumbent when
+the challenger is not KEEP_MARGIN faster within it, or when DUEL_WINDOWS windows have not
+told (a point is left only for one shown faster). Then, every window, the step time is
+compared with the kept point's; DRIFT_WINDOWS windows in a row off by more than DRIFT
+(the network or the load changed) start the search again, re-fitted on the windows after
+the change.
 Where the unscheduled-like point is plain DDP itself (`fallback_first`: a DDP model runs it
 on DDP's own reducer), it takes the incumbent's place once timed: the others must beat
 plain DDP, by the same rules, to be kept, so a run whose windows cannot tell the points
@@ -36,6 +41,7 @@ apart keeps what it costs without bsrun.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple, Sequence
@@ -44,14 +50,16 @@ from bsrun.sched import link
 
 WINDOW = 4            # optimizer steps per decision; after a switch the first is not timed
 WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-step costs)
-KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster
+KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster ...
+CONFIDENCE_Z = 1.645  # ... at this one-sided confidence (95%) over its paired windows,
+MIN_PAIRS = 2         # ... and over at least this many of them (one is the sweep's)
+DUEL_WINDOWS = 6      # windows a duel may take after the sweep (challenger and incumbent in turn)
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-# A first search, to the step that keeps a point: up to six windows (the starting point,
+# A first search, to the step that keeps a point: up to ten windows (the starting point,
 # the fitted one, the unscheduled-like one and, when the start is a learned point, the
-# configured one; then a second window for a winner that would replace the start, and the
-# start once more).
-SEARCH_STEPS = WARMUP_STEPS + 6 * WINDOW
+# configured one; then the duel).
+SEARCH_STEPS = WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 # Not below 1 MiB: what a partition costs the CPU (hooks, the comm thread's Python, on 2
@@ -129,6 +137,15 @@ class Timing(NamedTuple):
 
     window: int
     median: float
+    noise: float  # the relative spread of one step inside the window (`step_noise`)
+
+
+def step_noise(step_times: Sequence[float]) -> float:
+    """One step's relative spread in a window (standard deviation / mean); a duel takes
+    the median over its windows, which one window with a long step cannot move."""
+    if len(step_times) < 2:
+        return 0.0
+    return statistics.stdev(step_times) / statistics.fmean(step_times)
 
 
 @dataclass
@@ -158,10 +175,10 @@ class Explorer:
         self.kept: Point = incumbent
         self.kept_median: float | None = None
         self.queue: list[Point] = []     # points still to try in this search
-        self.confirming: Point | None = None  # the winner, on its second window
-        self.retiming: tuple[Point, list[Timing]] | None = None  # the winner and its two windows
-        self.timed: dict[Point, Timing] = {}  # each point's first window in this search
+        self.timings: dict[Point, list[Timing]] = {}  # each point's windows in this search, in order
+        self.challenger: Point | None = None  # in the duel with the incumbent
         self.windows = 0                      # windows ended in this search
+        self.duel_windows = 0                 # of them, in the duel
         self.searching = True
         self.drifting = 0
 
@@ -172,7 +189,7 @@ class Explorer:
     def window_done(self, step_times: Sequence[float], transfers: Sequence[tuple[int, float, float]]) -> Decision:
         median = statistics.median(step_times) if step_times else None
         if self.searching:
-            return self._search(median, transfers)
+            return self._search(median, step_noise(step_times), transfers)
         if median is None or self.kept_median is None:
             return Decision(None, "steady", median)
         off = abs(median / self.kept_median - 1) > DRIFT
@@ -180,8 +197,8 @@ class Explorer:
         if self.drifting < DRIFT_WINDOWS:
             return Decision(None, "steady", median)
         self.drifting = 0
-        self.searching, self.timed, self.windows = True, {}, 0
-        self.queue, self.confirming, self.retiming = [], None, None
+        self.searching, self.timings, self.windows = True, {}, 0
+        self.queue, self.challenger, self.duel_windows = [], None, 0
         why = f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
         if self.fallback_first and self.kept == self.fixed.apply(unscheduled_like()):
             # plain DDP's transfers are not bsrun's to see: the new fit needs a point of bsrun's
@@ -193,20 +210,18 @@ class Explorer:
         """No window will end again (`why`): the kept point from here on; a search under
         way ends at its incumbent, since no challenger was confirmed."""
         searching = self.searching
-        self.searching, self.queue, self.confirming, self.retiming = False, [], None, None
+        self.searching, self.queue, self.challenger = False, [], None
         what = "the incumbent, its search cut short" if searching else "the point kept"
         return self._switch(self.kept, f"keep: {what}; {why}", self.kept_median)
 
-    def _search(self, median: float | None, transfers) -> Decision:
+    def _search(self, median: float | None, noise: float, transfers) -> Decision:
         window, self.windows = self.windows, self.windows + 1
-        if self.retiming is not None:
-            return self._after_retiming(median, window)
-        if self.confirming is not None:
-            return self._confirm(median, window)
         if median is not None:
-            self.timed[self.current] = Timing(window, median)
+            self.timings.setdefault(self.current, []).append(Timing(window, median, noise))
+        if self.challenger is not None:
+            return self._duel(median)
         fit = ""
-        if not self.queue and len(self.timed) == 1:  # the incumbent was timed: the candidates
+        if not self.queue and len(self.timings) == 1:  # the incumbent was timed: the candidates
             fitted = fit_link(transfers)
             fit = "; the link could not be fitted" if fitted is None else \
                 f"; link fitted: {fitted[0] * 1e3:.3g} ms a partition, {fitted[1] / 1e6:.4g} MB/s"
@@ -214,12 +229,12 @@ class Explorer:
             for point in candidates:
                 if point is not None:
                     point = self.fixed.apply(point)
-                    if point not in self.timed and point not in self.queue:
+                    if point not in self.timings and point not in self.queue:
                         self.queue.append(point)
         if self.queue:
             self.current = self.queue.pop(0)
             return Decision(self.current, "explore: " + self._name(self.current) + fit, median)
-        decision = self._keep(median)
+        decision = self._after_sweep(median)
         decision.why += fit
         return decision
 
@@ -228,55 +243,95 @@ class Explorer:
             return "the unscheduled-like point"
         if point in self.others:
             return "the configured point"
+        if point == self.start_point:
+            return "the starting point"
         return "the point fitted to the measured link"
 
-    def _keep(self, median: float | None) -> Decision:
-        """The fastest point; one that would replace the incumbent is first confirmed."""
+    def _after_sweep(self, median: float | None) -> Decision:
+        """Every candidate timed once: the incumbent is kept unless the fastest other point
+        beat it, which then duels it."""
         fallback = self.fixed.apply(unscheduled_like())
-        if self.fallback_first and fallback in self.timed:
+        if self.fallback_first and fallback in self.timings:
             self.kept = fallback  # plain DDP itself: the one to beat
         incumbent = self.kept
-        medians = {point: timing.median for point, timing in self.timed.items()}
-        best = min(medians, key=medians.get)
-        if incumbent in medians and medians[best] > medians[incumbent] * (1 - KEEP_MARGIN):
-            best = incumbent
-        if best != incumbent and incumbent in medians:
-            self.confirming = best
-            why = (f"explore: confirming {self._name(best)} ({medians[best]:.4g} s against "
-                   f"{medians[incumbent]:.4g} s) on a second window")
-            return self._switch(best, why, median)
-        times = ", ".join(f"{t:.4g}" for t in medians.values())
-        return self._settle(best, f"keep: fastest median step {medians[best]:.4g} s of {times}", medians[best])
+        firsts = {point: timings[0].median for point, timings in self.timings.items()}
+        times = ", ".join(f"{t:.4g}" for t in firsts.values())
+        if incumbent not in firsts:  # its window was not timed: the fastest of those that were
+            if not firsts:
+                return self._settle(incumbent, "keep: the incumbent; no window was timed", median)
+            best = min(firsts, key=firsts.get)
+            return self._settle(best, f"keep: fastest median step {firsts[best]:.4g} s of {times}", firsts[best])
+        rivals = [point for point in firsts if point != incumbent]
+        challenger = min(rivals, key=firsts.get) if rivals else None
+        kept_why = f"keep: {self._name(incumbent)}, the fastest median step {firsts[incumbent]:.4g} s of {times}"
+        if challenger is None or self._paired_gains(challenger, incumbent)[0] >= 0:
+            return self._settle(incumbent, kept_why, firsts[incumbent])
+        verdict, measured = self._verdict(challenger, incumbent)
+        if verdict == "incumbent":
+            return self._settle(incumbent, f"keep: the incumbent; {measured}", firsts[incumbent])
+        self.challenger = challenger  # its next window without a switch, if it ran last
+        return self._switch(challenger, f"explore: {self._name(challenger)} against {self._name(incumbent)}, "
+                                        f"windows in turn ({firsts[challenger]:.4g} s against "
+                                        f"{firsts[incumbent]:.4g} s)", median)
 
-    def _confirm(self, median: float | None, window: int) -> Decision:
-        """After the challenger's second window: if it beat the incumbent again, the
-        incumbent runs once more; else the incumbent is kept."""
-        challenger, incumbent, self.confirming = self.confirming, self.kept, None
-        before = self.timed[incumbent].median
-        if median is not None and median <= before * (1 - KEEP_MARGIN):
-            self.retiming = (challenger, [self.timed[challenger], Timing(window, median)])
-            return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(challenger)} took "
-                                           f"{median:.4g} s on its second window against {before:.4g} s)", median)
-        second = "untimed" if median is None else f"{median:.4g} s"
-        return self._settle(incumbent, f"keep: the incumbent; {self._name(challenger)} took {second} on its "
-                                       f"second window against {before:.4g} s", before)
+    def _duel(self, median: float | None) -> Decision:
+        """Challenger and incumbent in turn; after each of the incumbent's windows, the
+        verdict on the challenger's paired gains (see the module)."""
+        challenger, incumbent = self.challenger, self.kept
+        self.duel_windows += 1
+        if self.current == challenger:
+            return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(incumbent)}) to "
+                                           f"pair with {self._name(challenger)}'s window", median)
+        verdict, measured = self._verdict(challenger, incumbent)
+        latest = self.timings[incumbent][-1].median
+        if verdict == "challenger":
+            ours = statistics.fmean(t.median for t in self.timings[challenger])
+            return self._settle(challenger, f"keep: {measured}, confirmed", ours)
+        if verdict == "incumbent":
+            return self._settle(incumbent, f"keep: the incumbent; {measured}", latest)
+        if self.duel_windows + 2 > DUEL_WINDOWS:
+            return self._settle(incumbent, f"keep: the incumbent; {measured}: not shown "
+                                           f"{KEEP_MARGIN:.0%} faster within the search", latest)
+        return self._switch(challenger, f"explore: {measured} so far; another window of it", median)
 
-    def _after_retiming(self, median: float | None, window: int) -> Decision:
-        """The winner is kept if its two windows beat, by KEEP_MARGIN, the incumbent
-        interpolated at those windows between its first and its last."""
-        (challenger, theirs), incumbent, self.retiming = self.retiming, self.kept, None
-        first_at, first = self.timed[incumbent]
-        trend = 0.0 if median is None else (median - first) / (window - first_at)
-        expected = statistics.fmean(first + trend * (at - first_at) for at, _ in theirs)
-        ours = statistics.fmean(t for _, t in theirs)
-        timed = f"{first:.4g} s" + ("" if median is None else f" then {median:.4g} s")
-        if ours <= expected * (1 - KEEP_MARGIN):
-            return self._settle(challenger, f"keep: {self._name(challenger)}, confirmed: {ours:.4g} s against "
-                                            f"{expected:.4g} s for the incumbent at its windows (timed {timed})",
-                                ours)
-        return self._settle(incumbent, f"keep: the incumbent; timed again ({timed}) it would take {expected:.4g} s "
-                                       f"at the windows where {self._name(challenger)} took {ours:.4g} s",
-                            first if median is None else median)
+    def _verdict(self, challenger: Point, incumbent: Point) -> tuple[str | None, str]:
+        """("challenger" | "incumbent" | None: not yet told, the gain as measured)."""
+        gains = self._paired_gains(challenger, incumbent)
+        mean = statistics.fmean(gains)
+        margin = CONFIDENCE_Z * self._spread(gains, challenger, incumbent) / math.sqrt(len(gains))
+        measured = (f"{self._name(challenger)} {abs(mean):.1%} {'faster' if mean < 0 else 'slower'} "
+                    f"(\u00b1{margin:.1%}) than {self._name(incumbent)} over {len(gains)} paired windows")
+        if len(gains) >= MIN_PAIRS and mean + margin < -KEEP_MARGIN:
+            return "challenger", measured
+        if mean - margin > -KEEP_MARGIN:
+            return "incumbent", f"{measured}: not {KEEP_MARGIN:.0%} faster"
+        return None, measured
+
+    def _paired_gains(self, challenger: Point, incumbent: Point) -> list[float]:
+        """Each of the challenger's windows against the incumbent at that window (as
+        interpolated between its nearest windows before and after, which takes out a
+        trend of the run; the nearest alone at either end): step / incumbent's - 1."""
+        theirs = self.timings[incumbent]
+        gains = []
+        for at, median, _ in self.timings[challenger]:
+            before = [t for t in theirs if t.window < at]
+            after = [t for t in theirs if t.window > at]
+            if before and after:
+                a, b = before[-1], after[0]
+                expected = a.median + (b.median - a.median) * (at - a.window) / (b.window - a.window)
+            else:
+                expected = (before[-1] if before else after[0]).median
+            gains.append(median / expected - 1)
+        return gains
+
+    def _spread(self, gains: list[float], challenger: Point, incumbent: Point) -> float:
+        """A paired gain's standard deviation: measured over the pairs, and at least what
+        the steps' own spread inside the two points' windows gives a difference of two
+        windows' medians (few pairs can agree by chance; a median of three normal steps
+        varies 1.16 times as much as their mean)."""
+        noise = statistics.median(t.noise for t in self.timings[challenger] + self.timings[incumbent])
+        floor = 1.16 * noise * math.sqrt(2 / (WINDOW - 1))
+        return max(statistics.stdev(gains) if len(gains) > 1 else 0.0, floor)
 
     def _switch(self, point: Point, why: str, median: float | None, trace: bool = False) -> Decision:
         """Run `point` next (no switch when it runs already)."""
@@ -285,6 +340,6 @@ class Explorer:
         self.current = point
         return Decision(point, why, median, trace)
 
-    def _settle(self, point: Point, why: str, median: float) -> Decision:
-        self.searching, self.kept, self.kept_median = False, point, median
+    def _settle(self, point: Point, why: str, median: float | None) -> Decision:
+        self.searching, self.kept, self.kept_median, self.challenger = False, point, median, None
         return self._switch(point, why, median)
