@@ -79,6 +79,7 @@ def test_every_mode_on_loopback(tmp_path):
     # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more: the whole search's budget)
     for adapting in ("bsrun", "bsrun-horovod"):
         assert by_mode[adapting]["late_decisions"] == [[]] and len(by_mode[adapting]["kept_points"]) == 1
+        assert "(settled: keep: " in by_mode[adapting]["kept_points"][0], by_mode[adapting]["kept_points"]
     assert by_mode["bsrun-horovod-fixed"]["kept_points"] == []  # --no-adapt
     assert "vs horovod" in text and "attainable" in text and "captured" in text
 

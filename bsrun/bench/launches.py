@@ -130,12 +130,15 @@ def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -
 
 
 def _kept_point(run: dict | None) -> str | None:
-    """From the summary bsrun leaves in its folder: the point rank 0's adaptation ended on."""
+    """From the summary bsrun leaves in its folder: the point rank 0's adaptation ended on,
+    and why (its last "keep": what the search measured)."""
     adapt = decider_adaptation(run)
     if not adapt or adapt.get("state") == "off":
         return None
     where = " on DDP's own reducer" if adapt.get("ddp_reducer") else ""
-    return f"{describe_point(adapt['point'])}{where} ({adapt['state']})"
+    keeps = [d["why"] for d in adapt.get("switches", []) if d["why"].startswith("keep")]
+    why = f": {keeps[-1]}" if keeps else ""
+    return f"{describe_point(adapt['point'])}{where} ({adapt['state']}{why})"
 
 
 def _late_decisions(run: dict | None, warmup: int) -> list[str]:
