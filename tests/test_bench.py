@@ -42,6 +42,10 @@ def check(records, saved, text, bandwidth, modes):
         assert r["bandwidth"] == bandwidth and r["model"] == "tiny"
         assert r["spread"][0] <= r["median_step_s"] <= r["spread"][1]
         assert r["mean_step_s"] > 0
+        # rank 0's cost a timed step: CPU of all its threads (at least some of a step's
+        # wall time on one thread) and context switches
+        assert len(r["cpu_s_per_step"]) == 1 and r["cpu_s_per_step"][0] > 0, r["cpu_s_per_step"]
+        assert r["context_switches_per_step"][0] >= 0
     # every mode's timed steps start at the same step: after the first search when one adapts
     adapting = any(m in ADAPTING_MODES for m in modes)
     assert {r["warmup"] for r in records} == {1 + SEARCH_STEPS if adapting else 1}, text

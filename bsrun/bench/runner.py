@@ -76,6 +76,9 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
             "kept_points": [r.kept for r in ok if r.kept],  # adaptation's, one per repeat
             "late_decisions": [r.late_decisions for r in ok],  # adaptation's in the timed steps, per repeat
+            # rank 0's CPU seconds (all its threads) and context switches a timed step, per repeat
+            "cpu_s_per_step": [r.info.get("cpu_s_per_step") for r in ok],
+            "context_switches_per_step": [r.info.get("context_switches_per_step") for r in ok],
             # the bound's two parts (median over the same steps), None for the other modes
             "compute_part_s": _median_of(ok, "compute_times"), "comm_part_s": _median_of(ok, "comm_times"),
             # the replay's trust, per repeat: [profiled run's median step, its own replay] (s)

@@ -40,6 +40,7 @@ the barrier between its parts costs it nothing.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -166,23 +167,34 @@ def make_stepper(name: str, mode: str, model: torch.nn.Module, batch):
     return Overlap(Compute(name, model, batch), Comm(params))
 
 
-def timed_steps(stepper, steps: int, warmup: int) -> list[float]:
+def timed_steps(stepper, steps: int, warmup: int) -> tuple[list[float], dict]:
+    """Step times, and what the timed steps cost this process: CPU seconds (all its
+    threads) and context switches, a step. On a machine whose cores are all busy, a mode
+    that needs more CPU a step is slower for it (BENCHMARKS.md, twelfth pass)."""
     for _ in range(warmup):
         stepper.step()
     dist.barrier()  # all ranks start timing together
+    cpu, switches = time.process_time(), _context_switches()
     times, last = [], time.perf_counter()
     for _ in range(steps):
         stepper.step()
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    return times
+    costs = {"cpu_s_per_step": (time.process_time() - cpu) / steps,
+             "context_switches_per_step": (_context_switches() - switches) / steps}
+    return times, costs
+
+
+def _context_switches() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
 
 
 def measure(stepper, steps: int, warmup: int) -> dict:
-    """{"step_times": [...]}, rank 0's; the bound's parts with them."""
-    times = timed_steps(stepper, steps, warmup)
-    return stepper.result(steps) if isinstance(stepper, Bound) else {"step_times": times}
+    """{"step_times": [...], "cpu_s_per_step": ..., ...}, rank 0's; the bound's parts with them."""
+    times, costs = timed_steps(stepper, steps, warmup)
+    return {**(stepper.result(steps) if isinstance(stepper, Bound) else {"step_times": times}), **costs}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
