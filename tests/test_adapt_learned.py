@@ -26,7 +26,7 @@ from bsrun.sched.adaptive import DUEL_WINDOWS, SEARCH_STEPS, WARMUP_STEPS, WINDO
 # Long enough for a search from a learned point to reach every candidate it queues (the
 # incumbent at step WARMUP_STEPS, then up to three candidates a window each: switches at 6,
 # 10 and 14), to duel a winner for DUEL_WINDOWS windows and to keep one (by step
-# SEARCH_STEPS, 42).
+# SEARCH_STEPS, 58).
 STEPS = SEARCH_STEPS
 assert STEPS == WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
 LEARNED_LINE = "bsrun: adapting from the point the last run kept ("
@@ -85,7 +85,7 @@ def start_point(summary: dict, context: str) -> dict:
 
 @pytest.mark.slow
 def test_the_point_a_run_kept_is_where_the_next_launch_of_the_job_starts(workdir):
-    """Five launches of one job (`adapt_train.py --opt sgd`, 42 steps of a 12.6 MB MLP), in one folder.
+    """Five launches of one job (`adapt_train.py --opt sgd`, 58 steps of a 12.6 MB MLP), in one folder.
 
     1. With default knobs: the run settles, and tuned.json's "adapted" point is exactly
        the point rank 0's summary says it kept (its "decisions": rank 0's switch count).

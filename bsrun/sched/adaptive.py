@@ -53,10 +53,10 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster ...
 CONFIDENCE_Z = 1.645  # ... at this one-sided confidence (95%) over its paired windows,
 MIN_PAIRS = 2         # ... and over at least this many of them (one is the sweep's)
-DUEL_WINDOWS = 6      # windows a duel may take after the sweep (challenger and incumbent in turn)
+DUEL_WINDOWS = 10     # windows a duel may take after the sweep (challenger and incumbent in turn)
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-# A first search, to the step that keeps a point: up to ten windows (the starting point,
+# A first search, to the step that keeps a point: up to fourteen windows (the starting point,
 # the fitted one, the unscheduled-like one and, when the start is a learned point, the
 # configured one; then the duel).
 SEARCH_STEPS = WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
