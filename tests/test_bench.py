@@ -15,7 +15,7 @@ import psutil
 import pytest
 from rich.console import Console
 
-from bsrun.bench.launches import ADAPTING_MODES, MODES, RunResult, _late_decisions, compared_warmup, launch_args, run_once
+from bsrun.bench.launches import ADAPTING_MODES, MODES, RunResult, _first_keep, _late_decisions, compared_warmup, launch_args, run_once
 from bsrun.bench.runner import bench_table, run_bench, summarise
 from bsrun.console import new_console
 from bsrun.errors import BsrunError
@@ -42,10 +42,9 @@ def check(records, saved, text, bandwidth, modes):
         assert r["bandwidth"] == bandwidth and r["model"] == "tiny"
         assert r["spread"][0] <= r["median_step_s"] <= r["spread"][1]
         assert r["mean_step_s"] > 0
-        # rank 0's cost a timed step: CPU of all its threads (at least some of a step's
-        # wall time on one thread) and context switches
-        assert len(r["cpu_s_per_step"]) == 1 and r["cpu_s_per_step"][0] > 0, r["cpu_s_per_step"]
-        assert r["context_switches_per_step"][0] >= 0
+        # rank 0's cost a timed step: CPU of all its threads and context switches (a replay runs no worker)
+        (cpu,), (switches,) = r["cpu_s_per_step"], r["context_switches_per_step"]
+        assert (cpu, switches) == (None, None) if r["mode"] == "replay" else cpu > 0 and switches >= 0, r
     # every mode's timed steps start at the same step: after the first search when one adapts
     adapting = any(m in ADAPTING_MODES for m in modes)
     assert {r["warmup"] for r in records} == {1 + SEARCH_STEPS if adapting else 1}, text
@@ -80,10 +79,13 @@ def test_every_mode_on_loopback(tmp_path):
         assert by_mode[scheduled]["launched_as"] == ["scheduled"]
     for plain in ("ddp", "horovod", "bound", "overlap"):
         assert by_mode[plain]["launched_as"] == ["off"]
-    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more: the whole search's budget)
+    # its first search ends before the timed steps (the warm-up has SEARCH_STEPS more: the whole search's
+    # budget); a tiny model's steps can drift by 25% after it, so a re-check may run into them (late_decisions)
     for adapting in ("bsrun", "bsrun-horovod"):
-        assert by_mode[adapting]["late_decisions"] == [[]] and len(by_mode[adapting]["kept_points"]) == 1
-        assert "(settled: keep: " in by_mode[adapting]["kept_points"][0], by_mode[adapting]["kept_points"]
+        (first_keep,) = by_mode[adapting]["first_keep_steps"]
+        assert first_keep is not None and first_keep <= 1 + SEARCH_STEPS, by_mode[adapting]
+        (kept,) = by_mode[adapting]["kept_points"]
+        assert "(settled: keep: " in kept or by_mode[adapting]["late_decisions"] != [[]], by_mode[adapting]
     assert by_mode["bsrun-horovod-fixed"]["kept_points"] == []  # --no-adapt
     assert "vs horovod" in text and "attainable" in text and "captured" in text
 
@@ -222,7 +224,7 @@ def test_the_replay_mode_replays_a_profile_under_a_perfect_schedule(tmp_path):
         assert all(r["captured_replay"] is None for r in records)
 
 
-def test_adaptation_decisions_inside_the_timed_steps_are_listed():
+def test_adaptation_decisions_inside_the_timed_steps_are_listed_and_the_first_keep_found():
     switches = [{"step": 2, "why": "explore: timing the starting point"},
                 {"step": 14, "why": "keep: fastest median step 0.5 s of 0.5, 0.6"},
                 {"step": 30, "why": "drift: step 0.9 s against 0.5 s when kept; re-timing it and searching again"}]
@@ -230,6 +232,7 @@ def test_adaptation_decisions_inside_the_timed_steps_are_listed():
     assert _late_decisions(run, 16) == [f"step 30: {switches[2]['why']}"]  # rank 0's, from the warm-up's end on
     assert _late_decisions(run, 14) == [f"step 14: {switches[1]['why']}", f"step 30: {switches[2]['why']}"]
     assert _late_decisions(None, 3) == [] and _late_decisions({"ranks": [{"rank": 0}]}, 3) == []
+    assert _first_keep(run) == 14 and _first_keep(None) is None  # where the first search ended
 
 
 def test_attainable_gain_and_captured_are_shares_of_ddp_to_bound():

@@ -56,6 +56,7 @@ class RunResult:
     error: str | None = None
     kept: str | None = None  # the point rank 0's adaptation kept (mode bsrun)
     late_decisions: list[str] = field(default_factory=list)  # adaptation's, inside the timed steps
+    first_keep: int | None = None  # the step at which adaptation's first search kept a point
 
 
 def _tail(text: str, lines: int = TAIL_LINES) -> str:
@@ -126,7 +127,7 @@ def run_once(args: list[str], mode: str, cwd: Path, out: Path, timeout: float) -
         return RunResult(mode, error=f"left no valid result in {out} ({e})\n{_tail(output)}")
     run = read_last_run(cwd)
     return RunResult(mode, times, info, "/".join(rank_modes(run)) if run else None, kept=_kept_point(run),
-                     late_decisions=_late_decisions(run, info.get("warmup", 0)))
+                     late_decisions=_late_decisions(run, info.get("warmup", 0)), first_keep=_first_keep(run))
 
 
 def _kept_point(run: dict | None) -> str | None:
@@ -139,6 +140,12 @@ def _kept_point(run: dict | None) -> str | None:
     keeps = [d["why"] for d in adapt.get("switches", []) if d["why"].startswith("keep")]
     why = f": {keeps[-1]}" if keeps else ""
     return f"{describe_point(adapt['point'])}{where} ({adapt['state']}{why})"
+
+
+def _first_keep(run: dict | None) -> int | None:
+    """The step of rank 0's first "keep": where its first search ended (None: it did not)."""
+    adapt = decider_adaptation(run) or {}
+    return next((d["step"] for d in adapt.get("switches", []) if d["why"].startswith("keep")), None)
 
 
 def _late_decisions(run: dict | None, warmup: int) -> list[str]:

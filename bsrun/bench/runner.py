@@ -76,6 +76,7 @@ def summarise(model: str, bandwidth: str | None, nproc: int, steps: int,
             "launched_as": sorted({r.launched_as for r in ok if r.launched_as}),
             "kept_points": [r.kept for r in ok if r.kept],  # adaptation's, one per repeat
             "late_decisions": [r.late_decisions for r in ok],  # adaptation's in the timed steps, per repeat
+            "first_keep_steps": [r.first_keep for r in ok],  # where adaptation's first search ended, per repeat
             # rank 0's CPU seconds (all its threads) and context switches a timed step, per repeat
             "cpu_s_per_step": [r.info.get("cpu_s_per_step") for r in ok],
             "context_switches_per_step": [r.info.get("context_switches_per_step") for r in ok],
