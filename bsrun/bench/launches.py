@@ -137,15 +137,21 @@ def _kept_point(run: dict | None) -> str | None:
     if not adapt or adapt.get("state") == "off":
         return None
     where = " on DDP's own reducer" if adapt.get("ddp_reducer") else ""
-    keeps = [d["why"] for d in adapt.get("switches", []) if d["why"].startswith("keep")]
-    why = f": {keeps[-1]}" if keeps else ""
+    keeps = _keeps(run)
+    why = f": {keeps[-1]['why']}" if keeps else ""
     return f"{describe_point(adapt['point'])}{where} ({adapt['state']}{why})"
 
 
 def _first_keep(run: dict | None) -> int | None:
     """The step of rank 0's first "keep": where its first search ended (None: it did not)."""
+    keeps = _keeps(run)
+    return keeps[0]["step"] if keeps else None
+
+
+def _keeps(run: dict | None) -> list[dict]:
+    """Rank 0's adaptation decisions that kept a point, in order."""
     adapt = decider_adaptation(run) or {}
-    return next((d["step"] for d in adapt.get("switches", []) if d["why"].startswith("keep")), None)
+    return [d for d in adapt.get("switches", []) if d["why"].startswith("keep")]
 
 
 def _late_decisions(run: dict | None, warmup: int) -> list[str]:
