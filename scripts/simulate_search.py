@@ -8,8 +8,10 @@ and a run costs a minute. Here the search (bsrun/sched/adaptive.py, pure) runs m
 on windows drawn like this machine's: the starting point `gain` faster than plain DDP
 (negative: slower), each step's time spread by --noise (a normal draw), the run drifting
 by up to --drift a window (a random walk), DDP's reducer the point to beat
-(fallback_first). Prints per gain the share of runs that kept the starting point and the
-windows a search took. Seeded: the same arguments print the same table.
+(fallback_first); with --rival, a second point that gain faster than plain DDP (the
+fastest sweep window is not always the best point). Prints per gain the share of runs
+that kept the starting point (and the rival) and the windows a search took. Seeded: the
+same arguments print the same table.
 """
 
 from __future__ import annotations
@@ -35,22 +37,29 @@ def load(path: Path, name: str):
     return module
 
 
-def kept_share(adaptive, gain: float, noise: float, drift: float, runs: int, seed: int) -> tuple[float, float]:
-    """(share of runs that kept the starting point, mean windows a search took)."""
+def kept_share(adaptive, gain: float, noise: float, drift: float, runs: int, seed: int,
+               rival: float | None = None) -> tuple[float, float, float]:
+    """(share of runs that kept the starting point, share that kept the rival, mean windows
+    a search took); `rival`: a second point's gain against plain DDP (as the configured
+    point, timed in the sweep after the start), or None for none."""
     rng = random.Random(seed)
     start = adaptive.Point(4 * 2**20, 8 * 2**20, "forward", True)
-    kept = windows = 0
+    other = adaptive.Point(64 * 2**20, 128 * 2**20, "forward", True)
+    gains = {start: gain, other: rival or 0.0}
+    kept = kept_rival = windows = 0
     for _ in range(runs):
         level = 1.0
-        explorer = adaptive.Explorer(start, adaptive.Fixed(), fallback_first=True)
+        explorer = adaptive.Explorer(start, adaptive.Fixed(), others=[other] if rival is not None else [],
+                                     fallback_first=True)
         explorer.start()
         while explorer.searching:
             level *= 1 + rng.uniform(-drift, drift)
-            base = level * (1 - gain if explorer.current == start else 1.0)
+            base = level * (1 - gains.get(explorer.current, 0.0))
             explorer.window_done([base * rng.gauss(1, noise) for _ in range(adaptive.WINDOW - 1)], [])
             windows += 1
         kept += explorer.kept == start
-    return kept / runs, windows / runs
+        kept_rival += explorer.kept == other
+    return kept / runs, kept_rival / runs, windows / runs
 
 
 def main() -> int:
@@ -60,6 +69,7 @@ def main() -> int:
     p.add_argument("--drift", type=float, default=0.05, help="the most a window moves from the last (0.05)")
     p.add_argument("--runs", type=int, default=400)
     p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--rival", type=float, help="a second point's gain against plain DDP (default: none)")
     a = p.parse_args()
     trees = {"this tree": load(HERE / "bsrun/sched/adaptive.py", "adaptive_here")}
     if a.commit:
@@ -69,12 +79,15 @@ def main() -> int:
             path = Path(folder) / "adaptive.py"
             path.write_text(source)
             trees[a.commit] = load(path, "adaptive_there")
-    print(f"starting point kept (share of {a.runs} runs; windows a search took), step noise {a.noise:.0%}, "
+    what = "starting point kept" if a.rival is None else f"starting point / rival ({a.rival:+.2f}) kept"
+    print(f"{what} (share of {a.runs} runs; windows a search took), step noise {a.noise:.0%}, "
           f"drift up to {a.drift:.0%} a window; gain: the starting point against plain DDP")
-    print("gain    " + "  ".join(f"{name:>18}" for name in trees))
+    print("gain    " + "  ".join(f"{name:>24}" for name in trees))
     for gain in GAINS:
-        cells = [kept_share(m, gain, a.noise, a.drift, a.runs, a.seed) for m in trees.values()]
-        print(f"{gain:+.2f}   " + "  ".join(f"{share:>10.3f} ({w:4.1f} w)" for share, w in cells))
+        cells = [kept_share(m, gain, a.noise, a.drift, a.runs, a.seed, a.rival) for m in trees.values()]
+        print(f"{gain:+.2f}   " + "  ".join(
+            (f"{share:>16.3f}" if a.rival is None else f"{share:>9.3f} / {other:.3f}") + f" ({w:4.1f} w)"
+            for share, other, w in cells))
     return 0
 
 

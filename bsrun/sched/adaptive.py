@@ -28,8 +28,11 @@ alone). After each of the incumbent's windows, the mean paired gain and its one-
 95% margin (CONFIDENCE_Z standard errors; a pair's spread as measured, and at least what
 the steps' own spread inside the windows gives): the challenger is kept when it is
 KEEP_MARGIN faster beyond the margin over MIN_PAIRS pairs or more; the incumbent when
-the challenger is not KEEP_MARGIN faster within it, or when DUEL_WINDOWS windows have not
-told (a point is left only for one shown faster). Then, every window, the step time is
+the challenger is not KEEP_MARGIN faster within it, or when the duels' DUEL_WINDOWS
+windows have not told (a point is left only for one shown faster). The fastest sweep
+window may be luck: the next point whose window beat the incumbent's then duels the
+winner with the windows left, if its window also beat the winner's mean, on new windows
+only (the winner's lucky window would otherwise judge it). Then, every window, the step time is
 compared with the kept point's; DRIFT_WINDOWS windows in a row off by more than DRIFT
 (the network or the load changed) start the search again, re-fitted on the windows after
 the change.
@@ -53,7 +56,7 @@ WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-s
 KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster ...
 CONFIDENCE_Z = 1.645  # ... at this one-sided confidence (95%) over its paired windows,
 MIN_PAIRS = 2         # ... and over at least this many of them (one is the sweep's)
-DUEL_WINDOWS = 10     # windows a duel may take after the sweep (challenger and incumbent in turn)
+DUEL_WINDOWS = 10     # windows the duels may take after the sweep (challenger and incumbent in turn)
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
 # A first search, to the step that keeps a point: up to fourteen windows (the starting point,
@@ -174,13 +177,20 @@ class Explorer:
         self.current = incumbent
         self.kept: Point = incumbent
         self.kept_median: float | None = None
+        self.drifting = 0
+        self._new_search()
+
+    def _new_search(self) -> None:
+        self.searching = True
         self.queue: list[Point] = []     # points still to try in this search
         self.timings: dict[Point, list[Timing]] = {}  # each point's windows in this search, in order
         self.challenger: Point | None = None  # in the duel with the incumbent
+        self.defender: Point | None = None    # the incumbent when the sweep ended
+        self.rivals: list[Point] = []         # points that may duel the incumbent next, fastest first
+        self.pairs_from = 0                   # the challenger's windows from this one are paired
+        self.verdicts: list[str] = []         # what this search's duels found, for the keep's why
         self.windows = 0                      # windows ended in this search
-        self.duel_windows = 0                 # of them, in the duel
-        self.searching = True
-        self.drifting = 0
+        self.duel_windows = 0                 # of them, in duels
 
     def start(self) -> Decision:
         """Before the first window: time the incumbent and gather its transfers."""
@@ -197,8 +207,7 @@ class Explorer:
         if self.drifting < DRIFT_WINDOWS:
             return Decision(None, "steady", median)
         self.drifting = 0
-        self.searching, self.timings, self.windows = True, {}, 0
-        self.queue, self.challenger, self.duel_windows = [], None, 0
+        self._new_search()
         why = f"drift: step {median:.4g} s against {self.kept_median:.4g} s when kept; "
         if self.fallback_first and self.kept == self.fixed.apply(unscheduled_like()):
             # plain DDP's transfers are not bsrun's to see: the new fit needs a point of bsrun's
@@ -248,8 +257,8 @@ class Explorer:
         return "the point fitted to the measured link"
 
     def _after_sweep(self, median: float | None) -> Decision:
-        """Every candidate timed once: the incumbent is kept unless the fastest other point
-        beat it, which then duels it."""
+        """Every candidate timed once: the incumbent is kept unless other points beat it,
+        which then duel it in turn, the fastest first (see `_next_duel`)."""
         fallback = self.fixed.apply(unscheduled_like())
         if self.fallback_first and fallback in self.timings:
             self.kept = fallback  # plain DDP itself: the one to beat
@@ -261,18 +270,41 @@ class Explorer:
                 return self._settle(incumbent, "keep: the incumbent; no window was timed", median)
             best = min(firsts, key=firsts.get)
             return self._settle(best, f"keep: fastest median step {firsts[best]:.4g} s of {times}", firsts[best])
-        rivals = [point for point in firsts if point != incumbent]
-        challenger = min(rivals, key=firsts.get) if rivals else None
-        kept_why = f"keep: {self._name(incumbent)}, the fastest median step {firsts[incumbent]:.4g} s of {times}"
-        if challenger is None or self._paired_gains(challenger, incumbent)[0] >= 0:
-            return self._settle(incumbent, kept_why, firsts[incumbent])
-        verdict, measured = self._verdict(challenger, incumbent)
-        if verdict == "incumbent":
-            return self._settle(incumbent, f"keep: the incumbent; {measured}", firsts[incumbent])
-        self.challenger = challenger  # its next window without a switch, if it ran last
-        return self._switch(challenger, f"explore: {self._name(challenger)} against {self._name(incumbent)}, "
-                                        f"windows in turn ({firsts[challenger]:.4g} s against "
-                                        f"{firsts[incumbent]:.4g} s)", median)
+        self.kept_median, self.defender = firsts[incumbent], incumbent
+        beat = [p for p in firsts if p != incumbent and self._paired_gains(p, incumbent)[0] < 0]
+        self.rivals = sorted(beat, key=firsts.get)
+        return self._next_duel(median)
+
+    def _next_duel(self, median: float | None) -> Decision:
+        """The next point whose sweep window beat the sweep's incumbent duels the incumbent
+        (the winner of the duels so far) while the duel windows last: the point with the
+        fastest sweep window is not always the best, and a second one gets the windows the
+        first duel left. Else the incumbent is kept, with every duel's verdict as the why."""
+        incumbent = self.kept
+        while self.rivals and self.duel_windows + 2 <= DUEL_WINDOWS:
+            rival = self.rivals.pop(0)
+            if rival == incumbent:
+                continue
+            # against a point kept in a duel, which lucky windows may have won, a rival must
+            # have beaten its mean, and only new windows are paired
+            self.pairs_from = 0 if incumbent == self.defender else self.windows
+            if self.pairs_from and self.timings[rival][0].median >= self.kept_median:
+                continue
+            if not self.pairs_from:
+                verdict, measured = self._verdict(rival, incumbent)
+                if verdict == "incumbent":
+                    self.verdicts.append(measured)
+                    continue
+            self.challenger = rival  # its next window without a switch, if it ran last
+            return self._switch(rival, f"explore: {self._name(rival)} against {self._name(incumbent)}, "
+                                       f"windows in turn ({self.timings[rival][0].median:.4g} s against "
+                                       f"{self.timings[incumbent][0].median:.4g} s)", median)
+        if not self.verdicts:
+            times = ", ".join(f"{timings[0].median:.4g}" for timings in self.timings.values())
+            self.verdicts.append(f"{self._name(incumbent)}, no other point's window beat it ({times} s)")
+        elif incumbent == self.defender:
+            self.verdicts.insert(0, "the incumbent")
+        return self._settle(incumbent, "keep: " + "; ".join(self.verdicts), self.kept_median)
 
     def _duel(self, median: float | None) -> Decision:
         """Challenger and incumbent in turn; after each of the incumbent's windows, the
@@ -283,16 +315,18 @@ class Explorer:
             return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(incumbent)}) to "
                                            f"pair with {self._name(challenger)}'s window", median)
         verdict, measured = self._verdict(challenger, incumbent)
-        latest = self.timings[incumbent][-1].median
+        if verdict is None and self.duel_windows + 2 <= DUEL_WINDOWS:
+            return self._switch(challenger, f"explore: {measured} so far; another window of it", median)
         if verdict == "challenger":
-            ours = statistics.fmean(t.median for t in self.timings[challenger])
-            return self._settle(challenger, f"keep: {measured}, confirmed", ours)
-        if verdict == "incumbent":
-            return self._settle(incumbent, f"keep: the incumbent; {measured}", latest)
-        if self.duel_windows + 2 > DUEL_WINDOWS:
-            return self._settle(incumbent, f"keep: the incumbent; {measured}: not shown "
-                                           f"{KEEP_MARGIN:.0%} faster within the search", latest)
-        return self._switch(challenger, f"explore: {measured} so far; another window of it", median)
+            self.kept = challenger
+            self.kept_median = statistics.fmean(t.median for t in self.timings[challenger])
+            outcome = f"{measured}, confirmed"
+        else:
+            self.kept_median = self.timings[incumbent][-1].median
+            outcome = measured if verdict else f"{measured}: not shown {KEEP_MARGIN:.0%} faster within the search"
+        self.challenger = None
+        self.verdicts.append(outcome)
+        return self._next_duel(median)
 
     def _verdict(self, challenger: Point, incumbent: Point) -> tuple[str | None, str]:
         """("challenger" | "incumbent" | None: not yet told, the gain as measured)."""
@@ -313,7 +347,7 @@ class Explorer:
         trend of the run; the nearest alone at either end): step / incumbent's - 1."""
         theirs = self.timings[incumbent]
         gains = []
-        for at, median, _ in self.timings[challenger]:
+        for at, median, _ in (t for t in self.timings[challenger] if t.window >= self.pairs_from):
             before = [t for t in theirs if t.window < at]
             after = [t for t in theirs if t.window > at]
             if before and after:
