@@ -91,7 +91,9 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
             self.__class__ = DistributedDataParallel  # from here on, exactly plain DDP
             return
         torch.nn.Module.__init__(self)
-        self._bsrun_arguments = (args, kwargs)  # to become the real DDP (register_comm_hook)
+        # the script's arguments, defaults filled in: read by DDP's attributes (ddp_surface), and
+        # to build the genuine DDP (adaptation's unscheduled-like point, or becoming plain DDP)
+        self._bsrun_ddp_arguments = {k: v for k, v in a.items() if k != "self"}
         self.module = module
         self.process_group = a["process_group"] or dist.distributed_c10d._get_default_group()
         self.require_backward_grad_sync = True
@@ -111,8 +113,6 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         if a["init_sync"]:
             broadcast_from(list(module.parameters()) + self.modules_buffers,
                                  self._bsrun_transport.control_group)
-        self._bsrun_ddp_arguments = {**{k: v for k, v in a.items() if k != "self"},
-                                     "init_sync": False}  # the replicas are equal: bsrun's rounds keep them so
         self._bsrun.ddp_reducer = self._why_not_on_ddp
         self._bsrun_joins = False  # Join was entered: the joined ranks shadow bsrun's rounds only
         state.set_mode("scheduled")
@@ -141,7 +141,9 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         whose reducer averages the gradients by the backward's end."""
         ddp = self.__dict__.get("_bsrun_ddp")
         if ddp is None:
-            ddp = self.__dict__["_bsrun_ddp"] = DistributedDataParallel(**self._bsrun_ddp_arguments)
+            # init_sync off: the replicas are equal, bsrun's rounds keep them so
+            ddp = DistributedDataParallel(**{**self._bsrun_ddp_arguments, "init_sync": False})
+            self.__dict__["_bsrun_ddp"] = ddp
         ddp.require_backward_grad_sync = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._bsrun.count_ddp_round()
@@ -230,8 +232,7 @@ class ScheduledDDP(DDPSurface, DistributedDataParallel, metaclass=_AnyDDP):
         state.withdraw(self._bsrun)
         state.say_once(f"not scheduling this model ({reason}); it runs as plain DDP")
         hooks = list(self.__dict__.get("_comm_hooks", ()))
-        args, kwargs = self._bsrun_arguments
-        DistributedDataParallel.__init__(self, *args, **kwargs)
+        DistributedDataParallel.__init__(self, **self._bsrun_ddp_arguments)
         self.__class__ = DistributedDataParallel
         for hook, hook_state in hooks:
             self.register_comm_hook(hook_state, hook)

@@ -28,7 +28,6 @@ reducer's hooks) raises a clear error.
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 
@@ -37,8 +36,6 @@ import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from bsrun.inject.unused import track_unused
-
-_SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
 
 # DDP attributes that come straight from a constructor argument
 _FROM_ARGUMENTS = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view", "dim",
@@ -88,7 +85,7 @@ class BsrunReducer:
 
 
 class DDPSurface:
-    """Mixin for ScheduledDDP (which sets `_bsrun_arguments`, `_bsrun`, `process_group`)."""
+    """Mixin for ScheduledDDP (which sets `_bsrun_ddp_arguments`, `_bsrun`, `process_group`)."""
 
     def __getattr__(self, name):
         if name in _SURFACE:
@@ -107,13 +104,10 @@ class DDPSurface:
             return []
         if name == "device":
             return next(iter(self.module.parameters())).device
-        args, kwargs = self.__dict__["_bsrun_arguments"]
-        bound = _SIGNATURE.bind(self, *args, **kwargs)
-        bound.apply_defaults()
+        arguments = self.__dict__["_bsrun_ddp_arguments"]
         if name == "bucket_bytes_cap":
-            return int(bound.arguments["bucket_cap_mb"] * 1024 * 1024) if bound.arguments["bucket_cap_mb"] \
-                else 25 * 1024 * 1024
-        return bound.arguments[name] if name in bound.arguments else None
+            return int(arguments["bucket_cap_mb"] * 1024 * 1024) if arguments["bucket_cap_mb"] else 25 * 1024 * 1024
+        return arguments.get(name)
 
     def _set_static_graph(self) -> None:
         """As DDP: say so if it already was. A static graph's reducer leaves the gradients of
