@@ -298,7 +298,7 @@ class Explorer:
             self.challenger = rival  # its next window without a switch, if it ran last
             return self._switch(rival, f"explore: {self._name(rival)} against {self._name(incumbent)}, "
                                        f"windows in turn ({self.timings[rival][0].median:.4g} s against "
-                                       f"{self.timings[incumbent][0].median:.4g} s)", median)
+                                       f"{self.kept_median:.4g} s)", median)
         if not self.verdicts:
             times = ", ".join(f"{timings[0].median:.4g}" for timings in self.timings.values())
             self.verdicts.append(f"{self._name(incumbent)}, no other point's window beat it ({times} s)")
