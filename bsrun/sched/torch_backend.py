@@ -81,14 +81,45 @@ class TorchDistBackend(PartitionBuffers):
         return (-negated).tolist()
 
 
+_SHARED_GLOO = "bsrun_gloo"  # gloo on the process's one gloo device (`gloo_group`)
+_DEVICE: list = []
+
+
+def _gloo_on_the_shared_device(store, rank: int, size: int, timeout: timedelta):
+    """A gloo backend whose connections live on the default group's gloo device (or one
+    device of bsrun's, made once), so on its event loop thread. Every gloo device runs a
+    thread that wakes every 10 ms even when idle; torch's new_group makes a device per
+    group, and bsrun's three groups' idle wake-ups doubled the training thread's
+    preemptions on two cores (BENCHMARKS.md, fifteenth pass)."""
+    if not _DEVICE:
+        default = dist.distributed_c10d._get_default_group()
+        try:
+            _DEVICE.extend(default._get_backend(torch.device("cpu")).options._devices)
+        except (RuntimeError, AttributeError):  # the default group is not gloo's
+            pass
+        if not _DEVICE:
+            _DEVICE.append(dist.ProcessGroupGloo.create_default_device())
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = _DEVICE[:1]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def gloo_group(ranks: list[int] | None, timeout: timedelta | None = None):
+    """A gloo process group of these ranks (every rank if None) on the shared gloo device:
+    the same collectives and connections of its own, no event loop thread of its own.
+    (torch's new_group ignores gloo's device options, so it goes by a registered backend.)"""
+    if not hasattr(dist.Backend, _SHARED_GLOO.upper()):
+        dist.Backend.register_backend(_SHARED_GLOO, _gloo_on_the_shared_device, devices=["cpu"])
+    return dist.new_group(ranks, timeout=timeout, backend=_SHARED_GLOO, use_local_synchronization=ranks is not None)
+
+
 class TorchTransport:
     """A model's ranks over three gloo groups of their own (see the module's docstring)."""
 
     def __init__(self, ranks: list[int], timeout: timedelta):
         self.reduce = None  # see the module's docstring; set before the first backward pass
-        self.data_group, self.negotiation_group, self.control_group = (
-            dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-            for _ in range(3))
+        self.data_group, self.negotiation_group, self.control_group = (gloo_group(ranks, timeout) for _ in range(3))
 
     @property
     def row_sparse(self) -> bool:
