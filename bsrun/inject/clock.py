@@ -17,7 +17,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bsrun.sched.torch_backend import gloo_group
 from bsrun.trace_events import now
 
 CLOCK_ROUNDS = 8
@@ -41,7 +40,7 @@ def _clock(offset_ns: int, rtt_ns: int, method: str) -> dict:
 def _ping_pong() -> dict:
     """Each rank sends its time t0; rank 0 answers with its own; back at t3, the offset is
     (t0 + t3) / 2 - rank 0's time."""
-    group = gloo_group(None)
+    group = dist.new_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stamp = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
