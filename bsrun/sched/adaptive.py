@@ -282,9 +282,7 @@ class Explorer:
         first duel left. Else the incumbent is kept, with every duel's verdict as the why."""
         incumbent = self.kept
         while self.rivals and self.duel_windows + 2 <= DUEL_WINDOWS:
-            rival = self.rivals.pop(0)
-            if rival == incumbent:
-                continue
+            rival = self.rivals.pop(0)  # never the incumbent: a challenger leaves the list to duel
             # against a point kept in a duel, which lucky windows may have won, a rival must
             # have beaten its mean, and only new windows are paired
             self.pairs_from = 0 if incumbent == self.defender else self.windows
