@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bsrun.sched.partition import TensorInfo, plan_partitions
-from conftest import WORKERS, run_bsrun
+from conftest import WORKERS, assert_scheduled, bsrun_env, last_run, run_bsrun
 
 
 def info(numel, dtype="f32"):
@@ -207,3 +207,31 @@ def test_steady_rounds_replay_the_negotiated_order_within_the_credit():
         scheduler.close()
     assert [d for d in done if not isinstance(d, int)] == []  # no error
     assert sorted(done) == [0, 0, 1, 1, 2, 2] and RENEGOTIATE_EVERY > 1
+
+
+def gloo_event_loops(workdir, *options, env=None):
+    """Each rank's line "rank R: N gloo event loops" after three DDP steps, and the run."""
+    proc = run_bsrun([*options, "-np", 2, "python", WORKERS / "gloo_threads.py"], cwd=workdir, env=env, check=True)
+    lines = [line[line.index("rank "):] for line in proc.stdout.splitlines() if "gloo event loops" in line]
+    return sorted(lines), proc  # less the launcher's "[R] " prefix
+
+
+def test_bsrun_groups_add_no_gloo_event_loop_threads(workdir):
+    """bsrun's three gloo groups live on the default group's gloo device: a scheduled rank
+    runs as many gloo event loop threads as plain DDP's (each wakes every 10 ms, idle or not,
+    and on two cores they preempted the training thread: BENCHMARKS.md, fifteenth pass)."""
+    plain, _ = gloo_event_loops(workdir, "--no-schedule")
+    scheduled, proc = gloo_event_loops(workdir)
+    assert_scheduled(last_run(workdir), context=proc.stdout + proc.stderr)
+    assert plain == ["rank 0: 1 gloo event loops", "rank 1: 1 gloo event loops"]
+    assert scheduled == plain
+
+
+def test_a_torch_without_gloo_device_options_gets_torchs_own_groups_said_once(workdir):
+    """Where gloo's private device options are missing (removed here, as a later torch may
+    drop them), bsrun's groups are torch's plain gloo groups: scheduled all the same, one
+    event loop each, and rank 0 says so once."""
+    loops, proc = gloo_event_loops(workdir, env=bsrun_env(NO_GLOO_OPTIONS="1"))
+    assert_scheduled(last_run(workdir), context=proc.stdout + proc.stderr)
+    assert loops == ["rank 0: 4 gloo event loops", "rank 1: 4 gloo event loops"]
+    assert proc.stderr.count("has no gloo device options") == 1, proc.stderr

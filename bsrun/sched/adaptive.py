@@ -264,12 +264,11 @@ class Explorer:
             self.kept = fallback  # plain DDP itself: the one to beat
         incumbent = self.kept
         firsts = {point: timings[0].median for point, timings in self.timings.items()}
-        times = ", ".join(f"{t:.4g}" for t in firsts.values())
         if incumbent not in firsts:  # its window was not timed: the fastest of those that were
             if not firsts:
                 return self._settle(incumbent, "keep: the incumbent; no window was timed", median)
             best = min(firsts, key=firsts.get)
-            return self._settle(best, f"keep: fastest median step {firsts[best]:.4g} s of {times}", firsts[best])
+            return self._settle(best, f"keep: fastest median step {firsts[best]:.4g} s of {self._sweep_times()}", firsts[best])
         self.kept_median, self.defender = firsts[incumbent], incumbent
         beat = [p for p in firsts if p != incumbent and self._paired_gains(p, incumbent)[0] < 0]
         self.rivals = sorted(beat, key=firsts.get)
@@ -298,11 +297,14 @@ class Explorer:
                                        f"windows in turn ({self.timings[rival][0].median:.4g} s against "
                                        f"{self.kept_median:.4g} s)", median)
         if not self.verdicts:
-            times = ", ".join(f"{timings[0].median:.4g}" for timings in self.timings.values())
-            self.verdicts.append(f"{self._name(incumbent)}, no other point's window beat it ({times} s)")
+            self.verdicts.append(f"{self._name(incumbent)}, no other point's window beat it ({self._sweep_times()} s)")
         elif incumbent == self.defender:
             self.verdicts.insert(0, "the incumbent")
         return self._settle(incumbent, "keep: " + "; ".join(self.verdicts), self.kept_median)
+
+    def _sweep_times(self) -> str:
+        """Every timed point's sweep window, in the order they ran (for a keep's why)."""
+        return ", ".join(f"{timings[0].median:.4g}" for timings in self.timings.values())
 
     def _duel(self, median: float | None) -> Decision:
         """Challenger and incumbent in turn; after each of the incumbent's windows, the

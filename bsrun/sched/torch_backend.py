@@ -20,6 +20,8 @@ agreed order; the finisher waits for the future and copies its value into the gr
 
 from __future__ import annotations
 
+import functools
+import sys
 from datetime import timedelta
 from typing import Sequence
 
@@ -82,36 +84,56 @@ class TorchDistBackend(PartitionBuffers):
 
 
 _SHARED_GLOO = "bsrun_gloo"  # gloo on the process's one gloo device (`gloo_group`)
-_DEVICE: list = []
+
+
+@functools.cache
+def _shared_gloo_device():
+    """The default group's gloo device (or one of bsrun's, made once), or None where this
+    torch lacks gloo's private device options (then every group gets its own device)."""
+    options = getattr(dist.ProcessGroupGloo, "_Options", None)
+    if options is None or not hasattr(options(), "_devices"):
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        devices = default._get_backend(torch.device("cpu")).options._devices
+    except (RuntimeError, AttributeError):  # the default group is not gloo's
+        devices = []
+    return devices[0] if devices else dist.ProcessGroupGloo.create_default_device()
 
 
 def _gloo_on_the_shared_device(store, rank: int, size: int, timeout: timedelta):
-    """A gloo backend whose connections live on the default group's gloo device (or one
-    device of bsrun's, made once), so on its event loop thread. Every gloo device runs a
-    thread that wakes every 10 ms even when idle; torch's new_group makes a device per
-    group, and bsrun's three groups' idle wake-ups doubled the training thread's
-    preemptions on two cores (BENCHMARKS.md, fifteenth pass)."""
-    if not _DEVICE:
-        default = dist.distributed_c10d._get_default_group()
-        try:
-            _DEVICE.extend(default._get_backend(torch.device("cpu")).options._devices)
-        except (RuntimeError, AttributeError):  # the default group is not gloo's
-            pass
-        if not _DEVICE:
-            _DEVICE.append(dist.ProcessGroupGloo.create_default_device())
+    """A gloo backend whose connections live on the shared gloo device, so on its event
+    loop thread. Every gloo device runs a thread that wakes every 10 ms even when idle;
+    torch's new_group makes a device per group, and bsrun's three groups' idle wake-ups
+    doubled the training thread's preemptions on two cores (BENCHMARKS.md, fifteenth pass)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = _DEVICE[:1]
+    options._devices = [_shared_gloo_device()]
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def gloo_group(ranks: list[int] | None, timeout: timedelta | None = None):
     """A gloo process group of these ranks (every rank if None) on the shared gloo device:
     the same collectives and connections of its own, no event loop thread of its own.
-    (torch's new_group ignores gloo's device options, so it goes by a registered backend.)"""
+    (torch's new_group ignores gloo's device options, so it goes by a registered backend.)
+    Where this torch has no device options, or no backend registry, it is torch's plain
+    gloo group: the same collectives, one more idle thread; rank 0 says so once."""
+    shared = hasattr(dist.Backend, "register_backend") and _shared_gloo_device() is not None
+    local = ranks is not None
+    if not shared:
+        _say_plain_gloo_once()
+        return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=local)
     if not hasattr(dist.Backend, _SHARED_GLOO.upper()):
         dist.Backend.register_backend(_SHARED_GLOO, _gloo_on_the_shared_device, devices=["cpu"])
-    return dist.new_group(ranks, timeout=timeout, backend=_SHARED_GLOO, use_local_synchronization=ranks is not None)
+    return dist.new_group(ranks, timeout=timeout, backend=_SHARED_GLOO, use_local_synchronization=local)
+
+
+@functools.cache
+def _say_plain_gloo_once() -> None:
+    if dist.get_rank() == 0:
+        print(f"bsrun: torch {torch.__version__} has no gloo device options: each of bsrun's groups runs its "
+              "own gloo event loop (more idle wake-ups on few cores; parameters unchanged)",
+              file=sys.stderr, flush=True)
 
 
 class TorchTransport:
