@@ -209,9 +209,10 @@ def test_steady_rounds_replay_the_negotiated_order_within_the_credit():
     assert sorted(done) == [0, 0, 1, 1, 2, 2] and RENEGOTIATE_EVERY > 1
 
 
-def gloo_event_loops(workdir, *options, env=None):
+def gloo_event_loops(workdir, *options, **env):
     """Each rank's line "rank R: N gloo event loops" after three DDP steps, and the run."""
-    proc = run_bsrun([*options, "-np", 2, "python", WORKERS / "gloo_threads.py"], cwd=workdir, env=env, check=True)
+    proc = run_bsrun([*options, "-np", 2, "python", WORKERS / "ddp_smoke.py"], cwd=workdir,
+                     env=bsrun_env(COUNT_GLOO_LOOPS="1", **env), check=True)
     lines = [line[line.index("rank "):] for line in proc.stdout.splitlines() if "gloo event loops" in line]
     return sorted(lines), proc  # less the launcher's "[R] " prefix
 
@@ -231,7 +232,7 @@ def test_a_torch_without_gloo_device_options_gets_torchs_own_groups_said_once(wo
     """Where gloo's private device options are missing (removed here, as a later torch may
     drop them), bsrun's groups are torch's plain gloo groups: scheduled all the same, one
     event loop each, and rank 0 says so once."""
-    loops, proc = gloo_event_loops(workdir, env=bsrun_env(NO_GLOO_OPTIONS="1"))
+    loops, proc = gloo_event_loops(workdir, NO_GLOO_OPTIONS="1")
     assert_scheduled(last_run(workdir), context=proc.stdout + proc.stderr)
     assert loops == ["rank 0: 4 gloo event loops", "rank 1: 4 gloo event loops"]
     assert proc.stderr.count("has no gloo device options") == 1, proc.stderr
