@@ -26,17 +26,17 @@ from conftest import (WORKERS, adapt_of, assert_same_state, assert_same_switches
                       bsrun_namespaces, last_run, run_bsrun, show)
 
 from bsrun.config import UNLIMITED_CREDIT
-from bsrun.sched.adaptive import DUEL_WINDOWS, WARMUP_STEPS, WINDOW
+from bsrun.sched.adaptive import MAX_RACE_WINDOWS, WARMUP_STEPS, WINDOW
 
 DDP_LIKE_PARTITION = 25 * 2**20
 # The configured point, the fitted one and the DDP-like one are timed one window each
-# (steps 2-14); a point faster than the incumbent in its window then duels it, windows in
-# turn, for at most DUEL_WINDOWS more, and one is kept by step WARMUP_STEPS + (3 +
-# DUEL_WINDOWS) * WINDOW (54). A load change on a shared machine can start a drift
-# re-check after the earliest keep (WARMUP_STEPS + 3 * WINDOW, 14; then DRIFT_WINDOWS
-# windows off, by 26): the run may then end "exploring", which the test accepts only
-# after a recorded drift.
-STEPS = WARMUP_STEPS + (3 + DUEL_WINDOWS) * WINDOW + 2
+# (steps 2-14); the points faster than the incumbent in their window, or within
+# KEEP_MARGIN of it, then race it, windows in turn, for at most MAX_RACE_WINDOWS more, and
+# one is kept by step WARMUP_STEPS + (3 + MAX_RACE_WINDOWS) * WINDOW (94). A load change on
+# a shared machine can start a drift re-check after the earliest keep (WARMUP_STEPS + 3 *
+# WINDOW, 14; then DRIFT_WINDOWS windows off, by 26): the run may then end "exploring",
+# which the test accepts only after a recorded drift.
+STEPS = WARMUP_STEPS + (3 + MAX_RACE_WINDOWS) * WINDOW + 2
 TIMEOUT = ["--timeout", "60"]  # every other knob bsrun's default: adaptation may vary them all
 
 
@@ -64,7 +64,7 @@ PS = ["--arch", "ps", "--servers", "2"]
 @pytest.mark.slow
 @pytest.mark.parametrize("opt,arch", [("sgd", []), ("adam", []), ("adam", PS)], ids=["sgd", "adam", "adam-ps"])
 def test_exploration_switches_on_the_same_step_everywhere_and_stays_exact(workdir, opt, arch):
-    """Adaptation is on by default and exact through its switches. 56 steps of a 5-layer
+    """Adaptation is on by default and exact through its switches. 96 steps of a 5-layer
     MLP (three 4.2 MB layers: several partitions a step at the default 4 MiB) with SGD+momentum or
     Adam, under `bsrun` (default knobs; on all-reduce, or on 2 parameter servers, where
     each switch is a new layout on the servers) and under `bsrun --no-schedule` (plain

@@ -21,14 +21,14 @@ import torch
 from conftest import WORKERS, assert_same_state, assert_scheduled, last_run, run_bsrun
 
 from bsrun.config import LEARNED_KEY
-from bsrun.sched.adaptive import DUEL_WINDOWS, SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_point
+from bsrun.sched.adaptive import MAX_RACE_WINDOWS, SEARCH_STEPS, WARMUP_STEPS, WINDOW, describe_point
 
 # Long enough for a search from a learned point to reach every candidate it queues (the
 # incumbent at step WARMUP_STEPS, then up to three candidates a window each: switches at 6,
-# 10 and 14), to duel a winner for DUEL_WINDOWS windows and to keep one (by step
-# SEARCH_STEPS, 58).
+# 10 and 14), to race them for MAX_RACE_WINDOWS windows and to keep one (by step
+# SEARCH_STEPS, 98).
 STEPS = SEARCH_STEPS
-assert STEPS == WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
+assert STEPS == WARMUP_STEPS + (4 + MAX_RACE_WINDOWS) * WINDOW
 LEARNED_LINE = "bsrun: adapting from the point the last run kept ("
 START_WHY = "explore: timing the starting point"
 USER_PARTITION = 3_000_000  # "3MB": never a point adaptation picks (powers of two, 4 MiB, 25 MiB)

@@ -107,7 +107,7 @@ def test_join_adapts_until_a_rank_runs_out_and_stays_exact(workdir, batches):
     """Online adaptation under Join, in 4 KiB partitions (credit, order and proxy free): both
     ranks switch at the same steps while both train (at step 6 to the first candidate);
     in the first round after rank 1 ran out (step 14: at the sweep's end; step 22: in the
-    duel, or after the search if none was needed) every rank records the same last
+    race, or after the search if none was needed) every rank records the same last
     decision ("keep", naming Join), runs
     that point and stops adapting (off, why: Join); rank 1 shadows rank 0's remaining
     rounds in that point's layout. Model, optimizer state, gradients and losses are plain

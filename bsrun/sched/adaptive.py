@@ -20,22 +20,26 @@ Each is timed for one window (its first step, which pays the switch, is not time
 decision after the incumbent's window says the fitted link (a, B) in its why. Steps vary
 by 10-25% here, and a window's median by 4-10% (BENCHMARKS.md, fourteenth pass): a gain
 of a few percent does not show in one window, and one lucky window once kept a point
-that then ran 22-32% slower. So the fastest other point, if its window beat the
-incumbent's, duels it: the two run windows in turn, and each of the challenger's windows
-is compared with the incumbent as interpolated between its windows before and after (the
-run may still speed up or slow down as it goes: a point timed later would gain by that
-alone). After each of the incumbent's windows, the mean paired gain and its one-sided
-95% margin (CONFIDENCE_Z standard errors; a pair's spread as measured, and at least what
-the steps' own spread inside the windows gives): the challenger is kept when it is
-KEEP_MARGIN faster beyond the margin over MIN_PAIRS pairs or more; the incumbent when
-the challenger is not KEEP_MARGIN faster within it, or when the duels' DUEL_WINDOWS
-windows have not told (a point is left only for one shown faster). The fastest sweep
-window may be luck: the next point whose window beat the incumbent's then duels the
-winner with the windows left, if its window also beat the winner's mean, on new windows
-only (the winner's lucky window would otherwise judge it). Then, every window, the step time is
-compared with the kept point's; DRIFT_WINDOWS windows in a row off by more than DRIFT
-(the network or the load changed) start the search again, re-fitted on the windows after
-the change.
+that then ran 22-32% slower. So the points whose window beat the incumbent's, or came
+within KEEP_MARGIN of it (one window may hide a real gain), race it (a duel, where one
+does): each runs a window in turn, then the incumbent, round after round. After each of
+the incumbent's windows, each racing point's windows are paired with the incumbent's
+(bsrun/sched/paired.py: against the run's own trend, with a one-sided 95% margin): a
+point leaves the race when it is not KEEP_MARGIN faster within the margin; it wins when
+it is KEEP_MARGIN faster beyond the margin over MIN_PAIRS pairs or more (of several, the
+one with the best mean); the incumbent stays when no point is left or the race's windows
+have not told (a point is left only for one shown faster). The race has RACE_WINDOWS
+windows, and up to MAX_RACE_WINDOWS while a racing point measures KEEP_MARGIN faster but
+is not yet confirmed (the windows are then spent where a gain shows); where a round of
+all no longer fits, the points measured fastest so far run it. All at once, not the
+fastest sweep window's point first: that window may be luck, and a duel with it once
+spent every window while the point that was 10% faster waited (ResNet-50 at 3 Gbit/s,
+BENCHMARKS.md, sixteenth pass; scripts/simulate_search.py compares the rules). A winner
+becomes the incumbent; the points that measured faster than it race it with the windows
+left, on new windows only (their windows so far were paired with the old incumbent's).
+Then, every window, the step time is compared with the kept point's; DRIFT_WINDOWS
+windows in a row off by more than DRIFT (the network or the load changed) start the
+search again, re-fitted on the windows after the change.
 Where the unscheduled-like point is plain DDP itself (`fallback_first`: a DDP model runs it
 on DDP's own reducer), it takes the incumbent's place once timed: the others must beat
 plain DDP, by the same rules, to be kept, so a run whose windows cannot tell the points
@@ -47,22 +51,21 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from bsrun.sched import link
+from bsrun.sched.paired import KEEP_MARGIN, Comparison, Timing, compare, step_noise
 
 WINDOW = 4            # optimizer steps per decision; after a switch the first is not timed
 WARMUP_STEPS = 2      # steps before the incumbent's first timed window (first-step costs)
-KEEP_MARGIN = 0.02    # a point replaces the incumbent only when this much faster ...
-CONFIDENCE_Z = 1.645  # ... at this one-sided confidence (95%) over its paired windows,
-MIN_PAIRS = 2         # ... and over at least this many of them (one is the sweep's)
-DUEL_WINDOWS = 10     # windows the duels may take after the sweep (challenger and incumbent in turn)
+RACE_WINDOWS = 10     # windows the race may take after the sweep (the racing points and the incumbent in turn),
+MAX_RACE_WINDOWS = 20  # ... and up to this many while a racing point measures KEEP_MARGIN faster, unconfirmed
 DRIFT = 0.25          # a window this far from the kept point's median ...
 DRIFT_WINDOWS = 3     # ... this many times in a row: search again
-# A first search, to the step that keeps a point: up to fourteen windows (the starting point,
-# the fitted one, the unscheduled-like one and, when the start is a learned point, the
-# configured one; then the duel).
-SEARCH_STEPS = WARMUP_STEPS + (4 + DUEL_WINDOWS) * WINDOW
+# A first search, to the step that keeps a point: up to twenty-four windows (the starting
+# point, the fitted one, the unscheduled-like one and, when the start is a learned point,
+# the configured one; then the race).
+SEARCH_STEPS = WARMUP_STEPS + (4 + MAX_RACE_WINDOWS) * WINDOW
 DDP_BUCKET_BYTES = 25 * 2**20
 UNLIMITED = 2**62
 # Not below 1 MiB: what a partition costs the CPU (hooks, the comm thread's Python, on 2
@@ -135,22 +138,6 @@ def fitted_point(link: tuple[float, float] | None, incumbent: Point, model_bytes
     return Point(partition, 2 * partition, incumbent.order if incumbent.order != "fifo" else "forward", True)
 
 
-class Timing(NamedTuple):
-    """A point's median step over one timing window; windows count from the search's first (0)."""
-
-    window: int
-    median: float
-    noise: float  # the relative spread of one step inside the window (`step_noise`)
-
-
-def step_noise(step_times: Sequence[float]) -> float:
-    """One step's relative spread in a window (standard deviation / mean); a duel takes
-    the median over its windows, which one window with a long step cannot move."""
-    if len(step_times) < 2:
-        return 0.0
-    return statistics.stdev(step_times) / statistics.fmean(step_times)
-
-
 @dataclass
 class Decision:
     point: Point | None      # switch to it at this boundary; None: stay
@@ -184,13 +171,12 @@ class Explorer:
         self.searching = True
         self.queue: list[Point] = []     # points still to try in this search
         self.timings: dict[Point, list[Timing]] = {}  # each point's windows in this search, in order
-        self.challenger: Point | None = None  # in the duel with the incumbent
+        self.racing: list[Point] = []         # points racing the incumbent, in their turn's order
         self.defender: Point | None = None    # the incumbent when the sweep ended
-        self.rivals: list[Point] = []         # points that may duel the incumbent next, fastest first
-        self.pairs_from = 0                   # the challenger's windows from this one are paired
-        self.verdicts: list[str] = []         # what this search's duels found, for the keep's why
+        self.pairs_from = 0                   # the racing points' windows from this one are paired
+        self.verdicts: list[str] = []         # what this search's races found, for the keep's why
         self.windows = 0                      # windows ended in this search
-        self.duel_windows = 0                 # of them, in duels
+        self.race_windows = 0                 # of them, in races
 
     def start(self) -> Decision:
         """Before the first window: time the incumbent and gather its transfers."""
@@ -219,7 +205,7 @@ class Explorer:
         """No window will end again (`why`): the kept point from here on; a search under
         way ends at its incumbent, since no challenger was confirmed."""
         searching = self.searching
-        self.searching, self.queue, self.challenger = False, [], None
+        self.searching, self.queue, self.racing = False, [], []
         what = "the incumbent, its search cut short" if searching else "the point kept"
         return self._switch(self.kept, f"keep: {what}; {why}", self.kept_median)
 
@@ -227,8 +213,8 @@ class Explorer:
         window, self.windows = self.windows, self.windows + 1
         if median is not None:
             self.timings.setdefault(self.current, []).append(Timing(window, median, noise))
-        if self.challenger is not None:
-            return self._duel(median)
+        if self.racing:
+            return self._race_window(median)
         fit = ""
         if not self.queue and len(self.timings) == 1:  # the incumbent was timed: the candidates
             fitted = fit_link(transfers)
@@ -257,8 +243,9 @@ class Explorer:
         return "the point fitted to the measured link"
 
     def _after_sweep(self, median: float | None) -> Decision:
-        """Every candidate timed once: the incumbent is kept unless other points beat it,
-        which then duel it in turn, the fastest first (see `_next_duel`)."""
+        """Every candidate timed once: the incumbent is kept unless other points come within
+        KEEP_MARGIN of it or beat it (one window may hide a real gain), which then race it
+        (see `_next_round`)."""
         fallback = self.fixed.apply(unscheduled_like())
         if self.fallback_first and fallback in self.timings:
             self.kept = fallback  # plain DDP itself: the one to beat
@@ -270,102 +257,119 @@ class Explorer:
             best = min(firsts, key=firsts.get)
             return self._settle(best, f"keep: fastest median step {firsts[best]:.4g} s of {self._sweep_times()}", firsts[best])
         self.kept_median, self.defender = firsts[incumbent], incumbent
-        beat = [p for p in firsts if p != incumbent and self._paired_gains(p, incumbent)[0] < 0]
-        self.rivals = sorted(beat, key=firsts.get)
-        return self._next_duel(median)
+        near = [p for p in firsts if p != incumbent and self._compare(p, incumbent).mean < KEEP_MARGIN]
+        for point in sorted(near, key=firsts.get):
+            verdict, measured = self._verdict(point, incumbent)
+            if verdict == "incumbent":
+                self.verdicts.append(measured)
+            else:
+                self.racing.append(point)
+        return self._next_round(median, lambda racing: (
+            f"explore: {self._names(racing)} against {self._name(incumbent)}, windows in turn "
+            f"({self._times(racing)} s against {self.kept_median:.4g} s)"))
 
-    def _next_duel(self, median: float | None) -> Decision:
-        """The next point whose sweep window beat the sweep's incumbent duels the incumbent
-        (the winner of the duels so far) while the duel windows last: the point with the
-        fastest sweep window is not always the best, and a second one gets the windows the
-        first duel left. Else the incumbent is kept, with every duel's verdict as the why."""
+    def _next_round(self, median: float | None, why: Callable[[list[Point]], str]) -> Decision:
+        """The race's next round: a window of each racing point, then one of the
+        incumbent's, while the race's windows last (RACE_WINDOWS, MAX_RACE_WINDOWS while one
+        measures KEEP_MARGIN faster; where a round of all does not fit, the points
+        measured fastest so far run it). Else the incumbent is kept, with every verdict as
+        the why; `why`: the round's, of the points that run it."""
+        promising = any(-math.inf < self._mean_gain(point) < -KEEP_MARGIN for point in self.racing)
+        room = (MAX_RACE_WINDOWS if promising else RACE_WINDOWS) - self.race_windows - 1
+        self.racing.sort(key=self._mean_gain)
+        for point in self.racing[max(room, 0):]:
+            self.verdicts.append(self._unconfirmed(point))
+        del self.racing[max(room, 0):]
+        if not self.racing:
+            return self._keep_incumbent()
+        if self.current in self.racing:  # it ran last: its next window without a switch
+            self.racing.remove(self.current)
+            self.racing.insert(0, self.current)
+        return self._switch(self.racing[0], why(self.racing), median)
+
+    def _race_window(self, median: float | None) -> Decision:
+        """A window of the race ended: the next racing point's, the incumbent's, or, after
+        the incumbent's, the verdicts (see the module)."""
+        self.race_windows += 1
         incumbent = self.kept
-        while self.rivals and self.duel_windows + 2 <= DUEL_WINDOWS:
-            rival = self.rivals.pop(0)  # never the incumbent: a challenger leaves the list to duel
-            # against a point kept in a duel, which lucky windows may have won, a rival must
-            # have beaten its mean, and only new windows are paired
-            self.pairs_from = 0 if incumbent == self.defender else self.windows
-            if self.pairs_from and self.timings[rival][0].median >= self.kept_median:
-                continue
-            if not self.pairs_from:
-                verdict, measured = self._verdict(rival, incumbent)
-                if verdict == "incumbent":
-                    self.verdicts.append(measured)
-                    continue
-            self.challenger = rival  # its next window without a switch, if it ran last
-            return self._switch(rival, f"explore: {self._name(rival)} against {self._name(incumbent)}, "
-                                       f"windows in turn ({self.timings[rival][0].median:.4g} s against "
-                                       f"{self.kept_median:.4g} s)", median)
+        if self.current != incumbent:
+            later = self.racing[self.racing.index(self.current) + 1:]
+            if later:
+                return self._switch(later[0], f"explore: {self._name(later[0])}'s window in the race", median)
+            return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(incumbent)}) to "
+                                           f"pair with the race's windows", median)
+        self.kept_median = self.timings[incumbent][-1].median
+        undecided, confirmed = [], []
+        for point in self.racing:
+            verdict, measured = self._verdict(point, incumbent)
+            if verdict == "incumbent":
+                self.verdicts.append(measured)
+            else:
+                (confirmed if verdict == "challenger" else undecided).append((point, measured))
+        if not confirmed:
+            self.racing = [point for point, _ in undecided]
+            return self._next_round(median, lambda racing: "explore: " + "; ".join(
+                m for p, m in undecided if p in racing) + " so far; another round")
+        winner, measured = min(confirmed, key=lambda c: self._mean_gain(c[0]))
+        self.verdicts.append(f"{measured}, confirmed")
+        # the others measured faster than the winner race it on new windows only (their
+        # windows so far were paired with the old incumbent's)
+        best = self._mean_gain(winner)
+        self.racing = []
+        for point, measured in undecided + confirmed:
+            if point != winner and self._mean_gain(point) < best:
+                self.racing.append(point)
+            elif point != winner:
+                self.verdicts.append(f"{measured}: less than {self._name(winner)}")
+        self.kept = winner
+        self.kept_median = statistics.fmean(t.median for t in self.timings[winner])
+        self.pairs_from = self.windows
+        if not self.racing:
+            return self._keep_incumbent()
+        return self._next_round(median, lambda racing: (
+            f"explore: {self._names(racing)} against {self._name(winner)} (confirmed faster than "
+            f"{self._name(incumbent)}), windows in turn"))
+
+    def _keep_incumbent(self) -> Decision:
         if not self.verdicts:
-            self.verdicts.append(f"{self._name(incumbent)}, no other point's window beat it ({self._sweep_times()} s)")
-        elif incumbent == self.defender:
+            self.verdicts.append(f"{self._name(self.kept)}, no other point's window beat it ({self._sweep_times()} s)")
+        elif self.kept == self.defender:
             self.verdicts.insert(0, "the incumbent")
-        return self._settle(incumbent, "keep: " + "; ".join(self.verdicts), self.kept_median)
+        return self._settle(self.kept, "keep: " + "; ".join(self.verdicts), self.kept_median)
+
+    def _unconfirmed(self, point: Point) -> str:
+        """The verdict on a racing point the race's windows left undecided."""
+        if self._compare(point, self.kept) is None:
+            return f"{self._name(point)} not timed against {self._name(self.kept)} within the search"
+        return f"{self._verdict(point, self.kept)[1]}: not shown {KEEP_MARGIN:.0%} faster within the search"
+
+    def _mean_gain(self, point: Point) -> float:
+        """The point's mean paired gain against the incumbent (-inf before its first pair:
+        a point that measured faster than a winner races it first)."""
+        comparison = self._compare(point, self.kept)
+        return -math.inf if comparison is None else comparison.mean
+
+    def _names(self, points: Sequence[Point]) -> str:
+        names = [self._name(p) for p in points]
+        return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+    def _times(self, points: Sequence[Point]) -> str:
+        return ", ".join(f"{self.timings[p][0].median:.4g}" for p in points)
+
+    def _compare(self, challenger: Point, incumbent: Point) -> Comparison | None:
+        return compare(self.timings[challenger], self.timings[incumbent], self.pairs_from, WINDOW - 1)
+
+    def _verdict(self, challenger: Point, incumbent: Point) -> tuple[str | None, str]:
+        """("challenger" | "incumbent" | None: not yet told, the gain as measured) over at
+        least one pair (bsrun/sched/paired.py)."""
+        c = self._compare(challenger, incumbent)
+        measured = (f"{self._name(challenger)} {abs(c.mean):.1%} {'faster' if c.mean < 0 else 'slower'} "
+                    f"(\u00b1{c.margin:.1%}) than {self._name(incumbent)} over {c.pairs} paired windows")
+        return c.verdict, f"{measured}: not {KEEP_MARGIN:.0%} faster" if c.verdict == "incumbent" else measured
 
     def _sweep_times(self) -> str:
         """Every timed point's sweep window, in the order they ran (for a keep's why)."""
         return ", ".join(f"{timings[0].median:.4g}" for timings in self.timings.values())
-
-    def _duel(self, median: float | None) -> Decision:
-        """Challenger and incumbent in turn; after each of the incumbent's windows, the
-        verdict on the challenger's paired gains (see the module)."""
-        challenger, incumbent = self.challenger, self.kept
-        self.duel_windows += 1
-        if self.current == challenger:
-            return self._switch(incumbent, f"explore: re-timing the incumbent ({self._name(incumbent)}) to "
-                                           f"pair with {self._name(challenger)}'s window", median)
-        verdict, measured = self._verdict(challenger, incumbent)
-        if verdict is None and self.duel_windows + 2 <= DUEL_WINDOWS:
-            return self._switch(challenger, f"explore: {measured} so far; another window of it", median)
-        if verdict == "challenger":
-            self.kept = challenger
-            self.kept_median = statistics.fmean(t.median for t in self.timings[challenger])
-            outcome = f"{measured}, confirmed"
-        else:
-            self.kept_median = self.timings[incumbent][-1].median
-            outcome = measured if verdict else f"{measured}: not shown {KEEP_MARGIN:.0%} faster within the search"
-        self.challenger = None
-        self.verdicts.append(outcome)
-        return self._next_duel(median)
-
-    def _verdict(self, challenger: Point, incumbent: Point) -> tuple[str | None, str]:
-        """("challenger" | "incumbent" | None: not yet told, the gain as measured)."""
-        gains = self._paired_gains(challenger, incumbent)
-        mean = statistics.fmean(gains)
-        margin = CONFIDENCE_Z * self._spread(gains, challenger, incumbent) / math.sqrt(len(gains))
-        measured = (f"{self._name(challenger)} {abs(mean):.1%} {'faster' if mean < 0 else 'slower'} "
-                    f"(\u00b1{margin:.1%}) than {self._name(incumbent)} over {len(gains)} paired windows")
-        if len(gains) >= MIN_PAIRS and mean + margin < -KEEP_MARGIN:
-            return "challenger", measured
-        if mean - margin > -KEEP_MARGIN:
-            return "incumbent", f"{measured}: not {KEEP_MARGIN:.0%} faster"
-        return None, measured
-
-    def _paired_gains(self, challenger: Point, incumbent: Point) -> list[float]:
-        """Each of the challenger's windows against the incumbent at that window (as
-        interpolated between its nearest windows before and after, which takes out a
-        trend of the run; the nearest alone at either end): step / incumbent's - 1."""
-        theirs = self.timings[incumbent]
-        gains = []
-        for at, median, _ in (t for t in self.timings[challenger] if t.window >= self.pairs_from):
-            before = [t for t in theirs if t.window < at]
-            after = [t for t in theirs if t.window > at]
-            if before and after:
-                a, b = before[-1], after[0]
-                expected = a.median + (b.median - a.median) * (at - a.window) / (b.window - a.window)
-            else:
-                expected = (before[-1] if before else after[0]).median
-            gains.append(median / expected - 1)
-        return gains
-
-    def _spread(self, gains: list[float], challenger: Point, incumbent: Point) -> float:
-        """A paired gain's standard deviation: measured over the pairs, and at least what
-        the steps' own spread inside the two points' windows gives a difference of two
-        windows' medians (few pairs can agree by chance; a median of three normal steps
-        varies 1.16 times as much as their mean)."""
-        noise = statistics.median(t.noise for t in self.timings[challenger] + self.timings[incumbent])
-        floor = 1.16 * noise * math.sqrt(2 / (WINDOW - 1))
-        return max(statistics.stdev(gains) if len(gains) > 1 else 0.0, floor)
 
     def _switch(self, point: Point, why: str, median: float | None, trace: bool = False) -> Decision:
         """Run `point` next (no switch when it runs already)."""
@@ -375,5 +379,5 @@ class Explorer:
         return Decision(point, why, median, trace)
 
     def _settle(self, point: Point, why: str, median: float | None) -> Decision:
-        self.searching, self.kept, self.kept_median, self.challenger = False, point, median, None
+        self.searching, self.kept, self.kept_median, self.racing = False, point, median, []
         return self._switch(point, why, median)
