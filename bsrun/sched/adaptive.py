@@ -332,7 +332,8 @@ class Explorer:
 
     def _keep_incumbent(self) -> Decision:
         if not self.verdicts:
-            self.verdicts.append(f"{self._name(self.kept)}, no other point's window beat it ({self._sweep_times()} s)")
+            self.verdicts.append(f"{self._name(self.kept)}, no other point's window came within "
+                                 f"{KEEP_MARGIN:.0%} of it ({self._sweep_times()} s)")
         elif self.kept == self.defender:
             self.verdicts.insert(0, "the incumbent")
         return self._settle(self.kept, "keep: " + "; ".join(self.verdicts), self.kept_median)
