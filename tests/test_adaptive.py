@@ -170,6 +170,30 @@ def test_the_points_that_beat_plain_ddp_race_it_together_and_a_faster_looking_on
     assert second.endswith("not 2% faster"), decisions[-1].why
 
 
+def test_a_racing_window_without_a_timed_step_waits_for_the_next():
+    """A racing point's first window against a new winner times no step (empty): it is not
+    yet paired, stays in the race, and its next window decides; the winner is kept."""
+    seen = []
+
+    def window(point):
+        seen.append(point)
+        if point == START:
+            return [0.75] * 3
+        if point == unscheduled_like():
+            return [1.0] * 3
+        runs = seen.count(point)
+        return [0.3] * 3 if runs == 1 else [] if runs == 3 else [0.9] * 3
+
+    explorer = Explorer(START, Fixed(), fallback_first=True)
+    transfers = link_samples(1e-3, 1.25e8, [2**16, 2**20, 4 * 2**20, 3 * 2**20])
+    decisions = [explorer.start()]
+    while explorer.searching:
+        decisions.append(explorer.window_done(window(explorer.current), transfers))
+    assert explorer.kept == START and "confirmed" in decisions[-1].why, [d.why for d in decisions]
+    assert any("not yet paired with the starting point so far; another round" in d.why for d in decisions), \
+        [d.why for d in decisions]
+
+
 def test_a_point_whose_sweep_window_was_slower_still_races_and_wins():
     """One window hides a real gain: the starting point is 10% faster than plain DDP, but its
     sweep window came out 1% slower (steps spread by 10% in every window). Within

@@ -361,9 +361,11 @@ class Explorer:
         return compare(self.timings[challenger], self.timings[incumbent], self.pairs_from, WINDOW - 1)
 
     def _verdict(self, challenger: Point, incumbent: Point) -> tuple[str | None, str]:
-        """("challenger" | "incumbent" | None: not yet told, the gain as measured) over at
-        least one pair (bsrun/sched/paired.py)."""
+        """("challenger" | "incumbent" | None: not yet told, the gain as measured;
+        bsrun/sched/paired.py)."""
         c = self._compare(challenger, incumbent)
+        if c is None:  # none of its windows since pairs_from had a timed step
+            return None, f"{self._name(challenger)} not yet paired with {self._name(incumbent)}"
         measured = (f"{self._name(challenger)} {abs(c.mean):.1%} {'faster' if c.mean < 0 else 'slower'} "
                     f"(\u00b1{c.margin:.1%}) than {self._name(incumbent)} over {c.pairs} paired windows")
         return c.verdict, f"{measured}: not {KEEP_MARGIN:.0%} faster" if c.verdict == "incumbent" else measured
