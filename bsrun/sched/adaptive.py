@@ -340,8 +340,6 @@ class Explorer:
 
     def _unconfirmed(self, point: Point) -> str:
         """The verdict on a racing point the race's windows left undecided."""
-        if self._compare(point, self.kept) is None:
-            return f"{self._name(point)} not timed against {self._name(self.kept)} within the search"
         return f"{self._verdict(point, self.kept)[1]}: not shown {KEEP_MARGIN:.0%} faster within the search"
 
     def _mean_gain(self, point: Point) -> float:
